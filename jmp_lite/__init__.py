@@ -1,0 +1,36 @@
+"""jmp_lite: mixed precision training for JAX, Flax and Optax.
+
+A drop-in replacement for DeepMind's jmp (``import jmp_lite as jmp``) with its
+bugs fixed, plus Optax loss-scaling transformations and Flax integration.
+"""
+
+from jmp_lite.dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
+from jmp_lite.loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  StaticLossScale,
+  all_finite,
+  select_tree,
+)
+from jmp_lite.policy import Policy, cast_to_full, cast_to_half, get_policy
+
+__version__ = "0.1.0"
+
+__all__ = (
+  "FORMATS",
+  "DynamicLossScale",
+  "FormatInfo",
+  "LossScale",
+  "NoOpLossScale",
+  "Policy",
+  "StaticLossScale",
+  "all_finite",
+  "cast_to_full",
+  "cast_to_half",
+  "format_info",
+  "get_policy",
+  "half_dtype",
+  "parse_dtype",
+  "select_tree",
+)

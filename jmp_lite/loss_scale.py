@@ -1,0 +1,356 @@
+"""Loss scales: keep small fp16 gradients from underflowing.
+
+fp16's smallest subnormal is 2^-24, so gradients below it become zero. Scaling
+the loss by S before ``jax.grad`` scales every gradient by S (the chain rule is
+linear); dividing by S afterwards, in fp32, recovers the true gradients. With S
+a power of two both multiplications are exact.
+
+Three kinds, with jmp's names and constructor order:
+
+* :class:`NoOpLossScale`: S = 1 (fp32 or bf16 training).
+* :class:`StaticLossScale`: a fixed S.
+* :class:`DynamicLossScale`: S adapts. After ``period`` consecutive finite
+  steps it grows by ``factor``; on a non-finite step it shrinks by ``factor``
+  (not below ``min_loss_scale``) and the step is skipped by the caller.
+
+Each is an immutable pytree whose state (the scale and counters) are leaves and
+whose configuration is static, so it can live in a jitted train step's state
+without recompilation as the scale moves.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+T = TypeVar("T")
+
+
+def _register(cls, data_fields: tuple[str, ...], meta_fields: tuple[str, ...]):
+  """Registers a frozen dataclass as a pytree whose unflatten skips __init__.
+
+  JAX rebuilds pytrees from placeholders (tracers, ``object()``, None), which
+  must not go through validation; jmp's custom unflatten also dropped
+  ``min_loss_scale``. Here every field round-trips: data fields as leaves,
+  meta fields as static aux data.
+  """
+
+  def flatten_with_keys(obj):
+    children = [(jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in data_fields]
+    return children, tuple(getattr(obj, f) for f in meta_fields)
+
+  def flatten(obj):
+    return ([getattr(obj, f) for f in data_fields], tuple(getattr(obj, f) for f in meta_fields))
+
+  def unflatten(meta, children):
+    obj = object.__new__(cls)
+    for name, value in zip(data_fields + meta_fields, (*children, *meta), strict=True):
+      object.__setattr__(obj, name, value)
+    return obj
+
+  jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+  return cls
+
+
+def _replace(obj: T, **changes) -> T:
+  """dataclasses.replace without re-running validation (for new state)."""
+  new = copy.copy(obj)
+  for name, value in changes.items():
+    object.__setattr__(new, name, value)
+  return new
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _as_scale(value: jax.typing.ArrayLike, name: str) -> jax.Array:
+  """Converts a loss scale to a strongly typed floating scalar and checks it."""
+  if isinstance(value, (bool, np.bool_)) or (hasattr(value, "dtype") and value.dtype == bool):
+    raise TypeError(f"{name} must be a positive number, got {value!r}.")
+  scale = jnp.asarray(value)
+  if not jnp.issubdtype(scale.dtype, jnp.floating):
+    if not jnp.issubdtype(scale.dtype, jnp.integer):
+      raise TypeError(f"{name} must be a real number or floating array, got dtype {scale.dtype}.")
+    scale = scale.astype(jnp.float32)
+  # A weakly typed scale would change type after the first adjust() and force
+  # jit to retrace; an explicit dtype makes it strong.
+  scale = jnp.asarray(scale, dtype=scale.dtype)
+  if scale.shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {scale.shape}.")
+  if _is_concrete(scale) and not (np.isfinite(float(scale)) and float(scale) > 0):
+    raise ValueError(f"{name} must be positive and finite, got {float(scale)}.")
+  return scale
+
+
+def _as_bound(value: Any, name: str, dtype: np.dtype) -> float:
+  """Converts a static bound to a Python float representable in ``dtype``."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+      f"{name} is static configuration and must be a concrete number, got a "
+      "traced value; build the loss scale outside jit or pass a Python float."
+    )
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
+  ):
+    raise TypeError(f"{name} must be a positive number, got {value!r}.")
+  bound = float(np.asarray(value))
+  with np.errstate(over="ignore"):
+    rounded = float(np.asarray(bound, dtype=dtype))
+  if not (math.isfinite(bound) and bound > 0):
+    raise ValueError(f"{name} must be positive and finite, got {bound}.")
+  if not (math.isfinite(rounded) and rounded > 0):
+    raise ValueError(
+      f"{name}={bound} is not representable in the loss scale's dtype "
+      f"{np.dtype(dtype).name} (it rounds to {rounded})."
+    )
+  return bound
+
+
+def _check_int(value: Any, name: str, minimum: int) -> int:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral)):
+    raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}.")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+  return int(value)
+
+
+def _check_predicate(pred: Any, name: str) -> jax.Array:
+  """A boolean scalar, checked at trace time (works on tracers)."""
+  pred = jnp.asarray(pred)
+  if pred.dtype != jnp.bool_:
+    raise TypeError(f"{name} must be a boolean scalar, got dtype {pred.dtype}.")
+  if pred.shape != ():
+    raise ValueError(f"{name} must be a boolean scalar, got shape {pred.shape}.")
+  return pred
+
+
+def _scale_tree(tree: T, scale: jax.Array) -> T:
+  def scale_leaf(x):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      return x
+    return x * scale
+
+  return jax.tree_util.tree_map(scale_leaf, tree)
+
+
+def _unscale_tree(tree: T, scale: jax.Array) -> T:
+  # Unscaling in 16 bits would push the small gradients that scaling rescued
+  # straight back under fp16's range, so it happens in at least fp32.
+  def unscale_leaf(x):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      return x
+    dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
+    return jnp.asarray(x, dtype) * (1 / scale.astype(dtype))
+
+  return jax.tree_util.tree_map(unscale_leaf, tree)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoOpLossScale:
+  """A loss scale of 1: scale and unscale return their input unchanged."""
+
+  @property
+  def loss_scale(self) -> np.ndarray:
+    return np.ones((), np.float32)
+
+  def scale(self, tree: T) -> T:
+    return tree
+
+  def unscale(self, tree: T) -> T:
+    return tree
+
+  def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+    _check_predicate(grads_finite, "grads_finite")
+    return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticLossScale:
+  """Scales and unscales by a fixed ``loss_scale`` (use a power of two).
+
+  ``scale`` multiplies floating leaves by S with JAX's type promotion (a fp32
+  S turns a fp16 loss into fp32, as in jmp); ``unscale`` multiplies by 1/S in
+  at least fp32, so fp16/bf16 gradients come back as fp32. Non-floating leaves
+  (integers, ``float0`` gradients) pass through.
+  """
+
+  loss_scale: jax.Array
+
+  def __post_init__(self):
+    object.__setattr__(self, "loss_scale", _as_scale(self.loss_scale, "loss_scale"))
+
+  def scale(self, tree: T) -> T:
+    return _scale_tree(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    return _unscale_tree(tree, self.loss_scale)
+
+  def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+    _check_predicate(grads_finite, "grads_finite")
+    return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DynamicLossScale:
+  """A loss scale that finds the largest value keeping gradients finite.
+
+  ``adjust(grads_finite)`` implements::
+
+    if grads_finite:
+      overflow_streak = 0
+      counter += 1
+      if counter == period:
+        counter = 0
+        if loss_scale * factor is finite and <= max_loss_scale:
+          loss_scale *= factor
+    else:
+      counter = 0
+      overflow_streak += 1
+      if overflow_streak >= hysteresis:
+        loss_scale = max(loss_scale / factor, min_loss_scale)
+
+  With the defaults (``hysteresis=1``, no ``max_loss_scale``) this is jmp's
+  rule. Unlike jmp, ``min_loss_scale`` survives ``jit``/``tree_map``/``scan``,
+  fp16 and bf16 scales work (arithmetic stays in the scale's dtype), and
+  growth never reaches inf.
+
+  Args:
+    loss_scale: initial scale, a positive scalar; its dtype (default float32
+      for Python numbers) is kept. Use a power of two, e.g. ``2.0 ** 15``.
+    counter: consecutive finite steps so far, in ``[0, period)``.
+    period: finite steps between growths, >= 1.
+    factor: growth and back-off factor, > 1 (2 keeps powers of two exact).
+    min_loss_scale: the scale never goes below this.
+    max_loss_scale: the scale never grows above this (default: no bound but
+      finiteness in the scale's dtype).
+    hysteresis: back off only after this many consecutive non-finite steps
+      (then on each further one); 1 backs off on every overflow.
+    overflow_streak: consecutive non-finite steps so far (state, usually 0).
+
+  >>> scale = DynamicLossScale(2.0 ** 15, period=2)
+  >>> float(scale.adjust(jnp.array(True)).adjust(jnp.array(True)).loss_scale)
+  65536.0
+  """
+
+  loss_scale: jax.Array
+  counter: jax.Array = 0
+  period: int = 2000
+  factor: float = 2
+  min_loss_scale: float = 1.0
+  _: dataclasses.KW_ONLY
+  max_loss_scale: float | None = None
+  hysteresis: int = 1
+  overflow_streak: jax.Array = 0
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    scale = _as_scale(self.loss_scale, "loss_scale")
+    set_("loss_scale", scale)
+    set_("period", _check_int(self.period, "period", 1))
+    set_("hysteresis", _check_int(self.hysteresis, "hysteresis", 1))
+    if isinstance(self.factor, (bool, np.bool_)) or not isinstance(self.factor, numbers.Real):
+      raise TypeError(f"factor must be a real number > 1, got {self.factor!r}.")
+    if not (math.isfinite(self.factor) and self.factor > 1):
+      raise ValueError(f"factor must be finite and > 1, got {self.factor}.")
+    low = _as_bound(self.min_loss_scale, "min_loss_scale", scale.dtype)
+    set_("min_loss_scale", low)
+    if self.max_loss_scale is not None:
+      high = _as_bound(self.max_loss_scale, "max_loss_scale", scale.dtype)
+      if high < low:
+        raise ValueError(f"max_loss_scale={high} is below min_loss_scale={low}.")
+      set_("max_loss_scale", high)
+    if _is_concrete(scale) and not (low <= float(scale) <= (self.max_loss_scale or math.inf)):
+      raise ValueError(
+        f"loss_scale={float(scale)} is outside [min_loss_scale, max_loss_scale]"
+        f" = [{low}, {self.max_loss_scale}]."
+      )
+    set_("counter", self._as_count(self.counter, "counter", self.period - 1))
+    set_(
+      "overflow_streak", self._as_count(self.overflow_streak, "overflow_streak", self.hysteresis)
+    )
+
+  @staticmethod
+  def _as_count(value: Any, name: str, largest: int) -> jax.Array:
+    count = jnp.asarray(value)
+    if not jnp.issubdtype(count.dtype, jnp.integer) or count.shape != ():
+      raise TypeError(f"{name} must be an integer scalar, got {value!r}.")
+    count = jnp.asarray(count, jnp.int32)
+    if _is_concrete(count) and not 0 <= int(count) <= largest:
+      raise ValueError(f"{name} must be in [0, {largest}], got {int(count)}.")
+    return count
+
+  def scale(self, tree: T) -> T:
+    return _scale_tree(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    return _unscale_tree(tree, self.loss_scale)
+
+  def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+    """Returns the next state given whether this step's gradients were finite."""
+    finite = _check_predicate(grads_finite, "grads_finite")
+    scale = self.loss_scale
+
+    grown = scale * self.factor
+    can_grow = jnp.isfinite(grown)
+    if self.max_loss_scale is not None:
+      can_grow &= grown <= self.max_loss_scale
+    grow = (self.counter == self.period - 1) & can_grow
+    streak = jnp.where(finite, 0, jnp.minimum(self.overflow_streak + 1, self.hysteresis))
+    shrink = ~finite & (streak >= self.hysteresis)
+    shrunk = jnp.maximum(scale / self.factor, jnp.asarray(self.min_loss_scale, scale.dtype))
+
+    return _replace(
+      self,
+      loss_scale=jnp.where(finite, jnp.where(grow, grown, scale), jnp.where(shrink, shrunk, scale)),
+      counter=jnp.where(finite, (self.counter + 1) % self.period, 0),
+      overflow_streak=streak,
+    )
+
+
+_register(NoOpLossScale, (), ())
+_register(StaticLossScale, ("loss_scale",), ())
+_register(
+  DynamicLossScale,
+  ("loss_scale", "counter", "overflow_streak"),
+  ("period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"),
+)
+
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+  """Whether every floating-point value in ``tree`` is finite (a bool scalar).
+
+  Non-floating leaves (integers, ``float0``) are ignored; an empty tree is
+  finite. With ``axis_name`` (a name or tuple of names bound by ``shard_map``,
+  ``pmap`` or ``vmap``) the answer is combined across that axis, so every
+  device takes the same decision. Under sharded ``jit`` no axis name is needed:
+  the reduction is already global.
+  """
+  finite = jnp.array(True)
+  for x in jax.tree_util.tree_leaves(tree):
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      finite = finite & jnp.all(jnp.isfinite(x))
+  if axis_name is not None:
+    finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  return finite
+
+
+def select_tree(pred: jax.Array, a: T, b: T) -> T:
+  """Leaf-wise ``a if pred else b`` for two trees of the same structure.
+
+  ``pred`` must be a boolean scalar (checked at trace time); matching leaves
+  must have the same shape and dtype.
+  """
+  pred = _check_predicate(pred, "pred")
+  return jax.tree_util.tree_map(lambda x, y: lax.select(pred, jnp.asarray(x), jnp.asarray(y)), a, b)

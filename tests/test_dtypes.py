@@ -1,0 +1,137 @@
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jmp_lite as jl
+from jmp_lite import dtypes
+
+
+def test_table_has_the_formats_that_matter():
+  assert set(jl.FORMATS) == {"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+
+@pytest.mark.parametrize(
+  "name, exp, man, max_, min_normal, min_subnormal, eps",
+  [
+    ("float32", 8, 23, float(np.finfo(np.float32).max), 2.0**-126, 2.0**-149, 2.0**-23),
+    ("float16", 5, 10, 65504.0, 2.0**-14, 2.0**-24, 2.0**-10),
+    (
+      "bfloat16",
+      8,
+      7,
+      float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
+      2.0**-126,
+      2.0**-133,
+      2.0**-7,
+    ),
+    ("float8_e4m3fn", 4, 3, 448.0, 2.0**-6, 2.0**-9, 2.0**-3),
+    ("float8_e5m2", 5, 2, 57344.0, 2.0**-14, 2.0**-16, 2.0**-2),
+  ],
+)
+def test_format_facts(name, exp, man, max_, min_normal, min_subnormal, eps):
+  info = jl.FORMATS[name]
+  assert (info.exponent_bits, info.mantissa_bits) == (exp, man)
+  assert (info.max, info.min_normal, info.min_subnormal, info.epsilon) == (
+    max_,
+    min_normal,
+    min_subnormal,
+    eps,
+  )
+  assert info.bits == 1 + exp + man
+  # The facts describe the dtype's real behaviour, not just the table.
+  dt = info.dtype
+  assert np.asarray(info.min_subnormal, dt) > 0
+  assert np.asarray(info.min_subnormal / 2, dt) == 0  # ties-to-even rounds to 0
+  assert np.isfinite(np.asarray(info.max, dt))
+  assert np.asarray(1 + info.epsilon, dt) > 1
+
+
+@pytest.mark.parametrize(
+  "name, expected",
+  [
+    ("bf16", jnp.bfloat16),
+    ("bfloat16", jnp.bfloat16),
+    ("f16", jnp.float16),
+    ("float16", jnp.float16),
+    ("f32", jnp.float32),
+    ("float32", jnp.float32),
+    ("full", jnp.float32),
+    ("f64", jnp.float64),
+    ("float64", jnp.float64),
+    (" BF16 ", jnp.bfloat16),
+    ("float8_e4m3fn", jnp.float8_e4m3fn),
+    ("e5m2", jnp.float8_e5m2),
+    (np.dtype("float16"), jnp.float16),
+    (jnp.bfloat16, jnp.bfloat16),
+    (np.float32, jnp.float32),
+  ],
+)
+def test_parse_dtype(name, expected):
+  assert jl.parse_dtype(name) == np.dtype(expected)
+
+
+def test_parse_half_is_the_platform_half():
+  assert jl.parse_dtype("half") == jl.half_dtype()
+
+
+@pytest.mark.parametrize("bad", ["float", "f", "", "bfloat", "float128x"])
+def test_parse_dtype_unknown_name(bad):
+  with pytest.raises(ValueError, match="accepted names"):
+    jl.parse_dtype(bad)
+
+
+@pytest.mark.parametrize("bad", ["int8", "int32", "bool", np.int32, np.dtype("complex64"), None])
+def test_parse_dtype_rejects_non_floating(bad):
+  with pytest.raises(TypeError):
+    jl.parse_dtype(bad)
+
+
+def test_every_accepted_name_round_trips_through_dtype_name():
+  for name in dtypes.ACCEPTED_NAMES:
+    dt = jl.parse_dtype(name)
+    assert jl.parse_dtype(dtypes.dtype_name(dt)) == dt
+
+
+@pytest.mark.parametrize(
+  "platform, cc, expected",
+  [
+    ("tpu", None, jnp.bfloat16),
+    ("cpu", None, jnp.bfloat16),
+    ("gpu", "9.0", jnp.bfloat16),
+    ("cuda", "8.0", jnp.bfloat16),
+    ("gpu", "8.6", jnp.bfloat16),
+    ("gpu", "7.5", jnp.float16),
+    ("gpu", "7.0", jnp.float16),
+    ("cuda", "6.1", jnp.float16),
+    ("gpu", "10.0", jnp.bfloat16),
+    ("rocm", "gfx90a", jnp.bfloat16),
+    ("gpu", "gfx90a", jnp.bfloat16),
+  ],
+)
+def test_half_dtype_for_platform(platform, cc, expected):
+  assert dtypes.half_dtype_for(platform, cc) == np.dtype(expected)
+
+
+def test_half_dtype_reads_the_device():
+  class FakeV100:
+    platform = "gpu"
+    compute_capability = "7.0"
+
+  class FakeH100:
+    platform = "gpu"
+    compute_capability = "9.0"
+
+  assert jl.half_dtype(FakeV100()) == np.dtype(jnp.float16)
+  assert jl.half_dtype(FakeH100()) == np.dtype(jnp.bfloat16)
+  assert jl.half_dtype() == np.dtype(jnp.bfloat16)  # tests run on CPU
+
+
+def test_half_dtype_for_unknown_platform():
+  with pytest.raises(ValueError, match="metal"):
+    dtypes.half_dtype_for("metal")
+
+
+def test_format_info_accepts_names():
+  assert jl.format_info("f16") == jl.FORMATS["float16"]
+  assert jl.format_info(jnp.bfloat16).max == (2 - 2.0**-7) * 2.0**127

@@ -1,0 +1,467 @@
+import math
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jmp_lite as jl
+
+T, F = True, False
+
+
+def run(scale, pattern, use_jit):
+  adjust = jax.jit(lambda s, f: s.adjust(f)) if use_jit else (lambda s, f: s.adjust(f))
+  trajectory = []
+  for finite in pattern:
+    scale = adjust(scale, jnp.asarray(finite))
+    trajectory.append((float(scale.loss_scale), int(scale.counter)))
+  return scale, trajectory
+
+
+def reference(scale, pattern, period, factor, lo, hi=math.inf, hysteresis=1, dtype=np.float32):
+  """The documented rule, in plain Python (jmp's rule when hysteresis == 1)."""
+  counter = streak = 0
+  out = []
+  for finite in pattern:
+    if finite:
+      streak = 0
+      counter += 1
+      if counter == period:
+        counter = 0
+        grown = float(np.asarray(scale * factor, dtype))
+        if math.isfinite(grown) and grown <= hi:
+          scale = grown
+    else:
+      counter = 0
+      streak = min(streak + 1, hysteresis)
+      if streak >= hysteresis:
+        scale = max(scale / factor, lo)
+    out.append((scale, counter))
+  return out
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_dynamic_hand_worked_trajectory(use_jit):
+  scale = jl.DynamicLossScale(jnp.float32(8), period=3, factor=2, min_loss_scale=2.0)
+  pattern = [T, T, T, T, F, T, T, T, F, F, F, F, T]
+  _, trajectory = run(scale, pattern, use_jit)
+  assert trajectory == [
+    (8, 1),
+    (8, 2),
+    (16, 0),  # the 3rd consecutive finite step doubles
+    (16, 1),
+    (8, 0),  # overflow halves and resets the counter
+    (8, 1),
+    (8, 2),
+    (16, 0),
+    (8, 0),
+    (4, 0),
+    (2, 0),
+    (2, 0),  # never below min_loss_scale
+    (2, 1),
+  ]
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_dynamic_period_one_grows_every_finite_step(use_jit):
+  scale = jl.DynamicLossScale(jnp.float32(1), period=1, factor=4)
+  _, trajectory = run(scale, [T, T, F, T], use_jit)
+  assert trajectory == [(4, 0), (16, 0), (4, 0), (16, 0)]
+
+
+def test_hysteresis_backs_off_after_consecutive_overflows():
+  scale = jl.DynamicLossScale(jnp.float32(64), period=2, hysteresis=3)
+  pattern = [F, F, T, F, F, F, F, T, T]
+  _, trajectory = run(scale, pattern, use_jit=True)
+  assert [s for s, _ in trajectory] == [64, 64, 64, 64, 64, 32, 16, 16, 32]
+
+
+def test_max_loss_scale_caps_growth():
+  scale = jl.DynamicLossScale(jnp.float32(16), period=1, max_loss_scale=64)
+  _, trajectory = run(scale, [T, T, T, T], use_jit=True)
+  assert [s for s, _ in trajectory] == [32, 64, 64, 64]
+
+
+@pytest.mark.parametrize(
+  "dtype, start", [(jnp.float16, 2.0**14), (jnp.bfloat16, 2.0**126), (jnp.float32, 2.0**126)]
+)
+def test_growth_never_reaches_inf(dtype, start):
+  scale = jl.DynamicLossScale(jnp.asarray(start, dtype), period=1)
+  scale, trajectory = run(scale, [T] * 4, use_jit=True)
+  assert scale.loss_scale.dtype == dtype
+  assert all(math.isfinite(s) for s, _ in trajectory)
+  assert trajectory[-1][0] == 2 * start  # one growth fits, then it stays
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_16_bit_loss_scale_works(dtype):
+  # jmp fails here: min_loss_scale (f32) and the f16 scale meet in lax.select.
+  scale = jl.DynamicLossScale(jnp.asarray(2.0**10, dtype), period=2)
+  scale, trajectory = run(scale, [F, F, T, T], use_jit=True)
+  assert scale.loss_scale.dtype == dtype
+  assert [s for s, _ in trajectory] == [2.0**9, 2.0**8, 2.0**8, 2.0**9]
+  grads = scale.unscale({"g": jnp.asarray([2.0**9], jnp.float16)})
+  assert grads["g"].dtype == jnp.float32 and float(grads["g"][0]) == 1.0
+
+
+@pytest.mark.parametrize("transform", ["jit", "tree_map", "scan", "pickle", "unflatten"])
+def test_configuration_survives(transform):
+  scale = jl.DynamicLossScale(
+    jnp.float32(4), period=7, factor=4, min_loss_scale=2.0, max_loss_scale=2.0**20, hysteresis=2
+  )
+  if transform == "jit":
+    out = jax.jit(lambda s: s)(scale)
+  elif transform == "tree_map":
+    out = jax.tree.map(lambda x: x, scale)
+  elif transform == "scan":
+    out, _ = jax.lax.scan(lambda s, _: (s.adjust(jnp.array(False)), None), scale, None, length=3)
+  elif transform == "pickle":
+    out = pickle.loads(pickle.dumps(scale))
+  else:
+    leaves, treedef = jax.tree.flatten(scale)
+    out = jax.tree.unflatten(treedef, leaves)
+  assert (out.period, out.factor, out.min_loss_scale, out.max_loss_scale, out.hysteresis) == (
+    7,
+    4,
+    2.0,
+    2.0**20,
+    2,
+  )
+  if transform == "scan":
+    # Two overflows with hysteresis 2 back off once: 4 / 4 = 1, clamped to min 2.
+    assert float(out.loss_scale) == 2.0
+
+
+def test_leaves_have_named_paths():
+  scale = jl.DynamicLossScale(jnp.float32(4))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(scale)]
+  assert paths == [".loss_scale", ".counter", ".overflow_streak"]
+  assert jax.tree.leaves(jl.NoOpLossScale()) == []
+  assert len(jax.tree.leaves(jl.StaticLossScale(2.0))) == 1
+
+
+def test_jitted_step_traces_once_as_the_scale_moves():
+  traces = []
+
+  @jax.jit
+  def step(scale, finite):
+    traces.append(None)
+    return scale.adjust(finite)
+
+  # A Python float scale must not come back weakly typed and trigger a retrace.
+  scale = jl.DynamicLossScale(2.0**15, period=1)
+  for finite in [T, F, F, T, T, F]:
+    scale = step(scale, jnp.asarray(finite))
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_scale_and_unscale(kind, use_jit):
+  s = 2.0**12
+  scale = jl.StaticLossScale(s) if kind == "static" else jl.DynamicLossScale(s)
+  tree = {
+    "f32": jnp.float32(3.0),
+    "f16": jnp.ones(2, jnp.float16),
+    "i": jnp.arange(2),
+    "none": None,
+  }
+  scaled = (jax.jit(scale.scale) if use_jit else scale.scale)(tree)
+  assert float(scaled["f32"]) == 3.0 * s
+  assert scaled["f16"].dtype == jnp.float32  # jmp's promotion with a f32 scale
+  assert scaled["i"] is tree["i"] or np.array_equal(scaled["i"], tree["i"])
+  unscaled = (jax.jit(scale.unscale) if use_jit else scale.unscale)(
+    {"g16": jnp.asarray([2.0**-10], jnp.float16), "i": jnp.arange(2)}
+  )
+  # 2^-10 / 2^12 = 2^-22 is below fp16's normal range: unscaling in fp32 keeps it exact.
+  assert unscaled["g16"].dtype == jnp.float32 and float(unscaled["g16"][0]) == 2.0**-22
+  assert unscaled["i"].dtype == jnp.int32
+
+
+def test_unscale_skips_float0_gradients():
+  grads = jax.grad(lambda x, n: x * n, argnums=(0, 1), allow_int=True)(2.0, 3)
+  out = jl.StaticLossScale(4.0).unscale(grads)
+  assert float(out[0]) == 0.75 and out[1].dtype == jax.dtypes.float0
+  assert bool(jl.all_finite(grads))
+
+
+def test_no_op_loss_scale():
+  scale = jl.NoOpLossScale()
+  tree = {"a": jnp.ones(2, jnp.float16)}
+  assert scale.scale(tree) is tree and scale.unscale(tree) is tree
+  assert scale.adjust(jnp.array(False)) is scale
+  assert float(scale.loss_scale) == 1.0
+
+
+def test_static_adjust_is_identity():
+  scale = jl.StaticLossScale(jnp.float32(128))
+  assert scale.adjust(jnp.array(False)) is scale
+
+
+@given(
+  hnp.arrays(
+    np.float32,
+    hnp.array_shapes(max_dims=2, max_side=6),
+    elements=st.floats(-1e6, 1e6, width=32, allow_nan=False),
+  ),
+  st.integers(-60, 60),
+)
+def test_power_of_two_scaling_is_exact(x, k):
+  # fp32 subnormals are out of scope: XLA:CPU flushes them in some code paths.
+  tiny = np.finfo(np.float32).tiny
+  expected = np.ldexp(x.astype(np.float64), k)
+  normal = (np.abs(x) >= tiny) & (np.abs(expected) >= tiny)
+  scale = jl.StaticLossScale(jnp.float32(2.0**k))
+  scaled = np.asarray(scale.scale(jnp.asarray(x)))
+  np.testing.assert_array_equal(scaled[normal], expected[normal].astype(np.float32))
+  back = np.asarray(scale.unscale(jnp.asarray(scaled)))
+  np.testing.assert_array_equal(back[normal], x[normal])
+
+
+@given(
+  st.lists(st.booleans(), max_size=40),
+  st.integers(1, 4),
+  st.sampled_from([2, 4]),
+  st.integers(-4, 4),
+  st.integers(0, 8),
+  st.integers(0, 12),
+  st.integers(1, 3),
+)
+def test_dynamic_matches_reference_and_stays_in_bounds(
+  pattern, period, factor, lo_exp, start_up, span, hysteresis
+):
+  lo = 2.0**lo_exp
+  start = lo * 2.0**start_up
+  hi = start * 2.0**span
+  scale = jl.DynamicLossScale(
+    jnp.float32(start),
+    period=period,
+    factor=factor,
+    min_loss_scale=lo,
+    max_loss_scale=hi,
+    hysteresis=hysteresis,
+  )
+  _, trajectory = run(scale, pattern, use_jit=True)
+  assert trajectory == reference(start, pattern, period, factor, lo, hi, hysteresis)
+  for s, _ in trajectory:
+    assert lo <= s <= hi
+    assert math.frexp(s)[0] == 0.5  # still a power of two
+
+
+@given(st.lists(st.booleans(), max_size=60))
+def test_fp16_scale_never_overflows(pattern):
+  scale = jl.DynamicLossScale(jnp.float16(2.0**13), period=1)
+  _, trajectory = run(scale, pattern, use_jit=True)
+  assert all(1 <= s <= 2.0**15 for s, _ in trajectory)
+
+
+def test_scale_inside_scan_over_a_training_loop():
+  def body(scale, finite):
+    new = scale.adjust(finite)
+    return new, new.loss_scale
+
+  pattern = jnp.asarray([T, T, F, T, T, T, T])
+  _, scales = jax.lax.scan(body, jl.DynamicLossScale(jnp.float32(8), period=2), pattern)
+  np.testing.assert_array_equal(scales, [8, 16, 8, 8, 16, 16, 32])
+
+
+# Validation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [jl.StaticLossScale, jl.DynamicLossScale])
+@pytest.mark.parametrize(
+  "value, error, match",
+  [
+    (0.0, ValueError, "positive and finite"),
+    (-2.0, ValueError, "positive"),
+    (float("nan"), ValueError, "nan"),
+    (float("inf"), ValueError, "inf"),
+    (jnp.float16(70000.0), ValueError, "inf"),
+    (jnp.ones(2), ValueError, "scalar"),
+    (True, TypeError, "positive number"),
+    (jnp.array(True), TypeError, "positive number"),
+    ("2", TypeError, "dtype"),
+    (jnp.complex64(2), TypeError, "complex"),
+  ],
+)
+def test_bad_loss_scale(cls, value, error, match):
+  with pytest.raises(error, match=match):
+    cls(value)
+
+
+def test_integer_loss_scale_is_converted_to_float32():
+  # jmp users write DynamicLossScale(jnp.asarray(2 ** 15)); that is an int32 array.
+  scale = jl.DynamicLossScale(jnp.asarray(2**15))
+  assert scale.loss_scale.dtype == jnp.float32 and float(scale.loss_scale) == 2.0**15
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    ({"period": 0}, ValueError, "period must be >= 1"),
+    ({"period": 2.5}, TypeError, "period"),
+    ({"period": True}, TypeError, "period"),
+    ({"factor": 1}, ValueError, "factor"),
+    ({"factor": 0.5}, ValueError, "factor"),
+    ({"factor": float("inf")}, ValueError, "factor"),
+    ({"factor": "2"}, TypeError, "factor"),
+    ({"min_loss_scale": 0.0}, ValueError, "min_loss"),
+    ({"min_loss_scale": float("nan")}, ValueError, "min_loss"),
+    ({"min_loss_scale": 2.0**20}, ValueError, r"outside \[min_loss_scale"),
+    ({"max_loss_scale": 2.0**10}, ValueError, r"outside"),
+    ({"min_loss_scale": 8.0, "max_loss_scale": 4.0}, ValueError, "below min_loss_scale"),
+    ({"max_loss_scale": -1.0}, ValueError, "max_loss_scale"),
+    ({"hysteresis": 0}, ValueError, "hysteresis"),
+    ({"counter": 2000}, ValueError, "counter"),
+    ({"counter": -1}, ValueError, "counter"),
+    ({"counter": 1.5}, TypeError, "counter"),
+    ({"min_loss_scale": "1"}, TypeError, "min_loss_scale"),
+  ],
+)
+def test_bad_dynamic_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jl.DynamicLossScale(jnp.float32(2.0**15), **kwargs)
+
+
+def test_bounds_must_be_representable_in_the_scale_dtype():
+  with pytest.raises(ValueError, match="not representable"):
+    jl.DynamicLossScale(jnp.float16(2.0**10), max_loss_scale=2.0**17)
+  with pytest.raises(ValueError, match="not representable"):
+    jl.DynamicLossScale(jnp.float16(2.0**10), min_loss_scale=2.0**-30)
+
+
+def test_traced_loss_scale_is_accepted_but_traced_bound_is_not():
+  out = jax.jit(lambda s: jl.DynamicLossScale(s).adjust(jnp.array(False)).loss_scale)(
+    jnp.float32(-1)
+  )  # values are not checked under tracing
+  assert float(out) == 1.0  # clamped to min_loss_scale
+  with pytest.raises(TypeError, match="concrete"):
+    jax.jit(lambda m: jl.DynamicLossScale(8.0, min_loss_scale=m))(jnp.float32(1))
+
+
+@pytest.mark.parametrize("cls", [jl.NoOpLossScale, jl.StaticLossScale, jl.DynamicLossScale])
+def test_adjust_rejects_bad_predicates(cls):
+  scale = cls() if cls is jl.NoOpLossScale else cls(2.0)
+  with pytest.raises(ValueError, match="shape"):
+    scale.adjust(jnp.array([True, False]))
+  with pytest.raises(TypeError, match="boolean"):
+    scale.adjust(jnp.float32(1.0))
+  with pytest.raises(TypeError, match="boolean"):
+    jax.jit(scale.adjust)(jnp.int32(1))
+
+
+# all_finite and select_tree -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_all_finite(use_jit, bad, dtype):
+  tree = {"a": jnp.ones((3, 2), dtype), "b": [jnp.arange(3), jnp.zeros(4, jnp.float32)], "c": None}
+  if bad is not None:
+    tree["b"][1] = tree["b"][1].at[2].set(bad)
+  f = jax.jit(jl.all_finite) if use_jit else jl.all_finite
+  result = f(tree)
+  assert result.dtype == jnp.bool_ and result.shape == ()
+  assert bool(result) == (bad is None)
+
+
+def test_all_finite_of_empty_tree():
+  assert bool(jl.all_finite({})) and bool(jl.all_finite([None]))
+
+
+def test_select_tree():
+  a = {"x": jnp.ones(2), "y": jnp.int32(1)}
+  b = {"x": jnp.zeros(2), "y": jnp.int32(2)}
+  out = jax.jit(jl.select_tree)(jnp.array(True), a, b)
+  np.testing.assert_array_equal(out["x"], a["x"])
+  out = jl.select_tree(jnp.array(False), a, b)
+  np.testing.assert_array_equal(out["x"], b["x"])
+  assert int(out["y"]) == 2
+
+
+def test_select_tree_errors():
+  a, b = {"x": jnp.ones(2)}, {"x": jnp.zeros(2)}
+  with pytest.raises(ValueError, match="shape"):
+    jl.select_tree(jnp.array([True, False]), a, b)
+  with pytest.raises(TypeError, match="boolean"):
+    jl.select_tree(jnp.float32(1), a, b)
+  with pytest.raises(ValueError):
+    jl.select_tree(jnp.array(True), a, {"y": jnp.zeros(2)})
+  with pytest.raises(TypeError):
+    jl.select_tree(jnp.array(True), a, {"x": jnp.zeros(2, jnp.int32)})
+
+
+# Multi-device: 8 host CPU devices (see conftest.py) --------------------------------------
+
+
+def _mesh():
+  devices = jax.devices()
+  assert len(devices) == 8, "tests expect 8 host CPU devices; see tests/conftest.py"
+  return jax.make_mesh((8,), ("data",), devices=devices)
+
+
+@pytest.mark.parametrize("poisoned_shard", [None, 0, 5])
+def test_all_finite_with_axis_name_under_shard_map(poisoned_shard):
+  mesh = _mesh()
+  grads = jnp.ones((8, 4))
+  if poisoned_shard is not None:
+    grads = grads.at[poisoned_shard, 1].set(jnp.nan)
+  grads = jax.device_put(grads, NamedSharding(mesh, PartitionSpec("data")))
+
+  def per_device(g):
+    local = jl.all_finite(g)
+    return jl.all_finite(g, axis_name="data")[None], local[None]
+
+  f = jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")
+    )
+  )
+  global_, local = f(grads)
+  expected_local = np.arange(8) != poisoned_shard
+  np.testing.assert_array_equal(local, expected_local)
+  np.testing.assert_array_equal(global_, np.full(8, poisoned_shard is None))
+
+
+def test_all_finite_with_axis_name_under_pmap_and_vmap():
+  grads = jnp.ones((8, 3)).at[6, 0].set(jnp.inf)
+  out = jax.pmap(lambda g: jl.all_finite(g, axis_name="i"), axis_name="i")(grads)
+  np.testing.assert_array_equal(out, np.zeros(8, bool))
+  out = jax.vmap(lambda g: jl.all_finite(g, axis_name="i"), axis_name="i")(grads)
+  np.testing.assert_array_equal(out, np.zeros(8, bool))
+  out = jax.vmap(jl.all_finite)(grads)
+  np.testing.assert_array_equal(out, np.arange(8) != 6)
+
+
+def test_all_finite_is_global_under_sharded_jit():
+  mesh = _mesh()
+  sharding = NamedSharding(mesh, PartitionSpec("data"))
+  grads = jax.device_put(jnp.ones((16, 4)).at[13, 2].set(jnp.inf), sharding)
+  assert len(grads.addressable_shards) == 8
+  assert not bool(jax.jit(jl.all_finite)(grads))
+  assert bool(jax.jit(jl.all_finite)(jax.device_put(jnp.ones((16, 4)), sharding)))
+
+
+def test_dynamic_scale_adjust_under_shard_map_keeps_devices_in_step():
+  mesh = _mesh()
+  grads = jnp.ones((8, 2)).at[3, 0].set(jnp.inf)
+  grads = jax.device_put(grads, NamedSharding(mesh, PartitionSpec("data")))
+
+  def per_device(g):
+    scale = jl.DynamicLossScale(jnp.float32(2.0**10), period=1)
+    new = scale.adjust(jl.all_finite(g, axis_name="data"))
+    return new.loss_scale[None]
+
+  f = jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")
+    )
+  )
+  np.testing.assert_array_equal(f(grads), np.full(8, 2.0**9))

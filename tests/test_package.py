@@ -1,0 +1,46 @@
+"""Packaging: the public API, the README's Quickstart and CI agree."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import jmp_lite as jl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_public_api_is_exported():
+  assert sorted(jl.__all__) == sorted(set(jl.__all__))
+  for name in jl.__all__:
+    assert getattr(jl, name) is not None, name
+  assert re.fullmatch(r"\d+\.\d+\.\d+([a-z]+\d+)?", jl.__version__)
+  assert (ROOT / "jmp_lite" / "py.typed").exists()
+
+
+def _quickstart_commands():
+  text = (ROOT / "README.md").read_text()
+  block = re.search(r"## Quickstart\n.*?```bash\n(.*?)```", text, re.S).group(1)
+  return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_quickstart_has_two_commands_and_ci_runs_the_second():
+  commands = _quickstart_commands()
+  assert len(commands) == 2
+  assert "pytest" in commands[1]
+  out = subprocess.run(
+    ["bash", "-c", "sed -n '/^test_command=/p' .ci/run"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  assert "Quickstart" in out and "sed -n 2p" in out
+
+
+def test_quickstart_script_runs():
+  script = _quickstart_commands()[0].split("&&")[-1].split()[-1]
+  out = subprocess.run(
+    [sys.executable, str(ROOT / script)], capture_output=True, text=True, timeout=300, check=True
+  ).stdout
+  assert "skipped (overflow)" in out and "applied" in out and "compiled 1 time(s)" in out

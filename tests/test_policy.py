@@ -1,0 +1,217 @@
+import pickle
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import jmp_lite as jl
+
+F32, F16, BF16 = np.dtype("float32"), np.dtype("float16"), np.dtype(jnp.bfloat16)
+HALF = jl.half_dtype()
+
+
+@pytest.mark.parametrize(
+  "text, expected",
+  [
+    # jmp's grammar and defaults: params f32, compute follows params, output follows compute.
+    ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+    ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+    ("c=f16", (F32, F16, F16)),
+    ("p=f16", (F16, F16, F16)),
+    ("p=f16,c=bf16", (F16, BF16, BF16)),
+    ("o=bf16", (F32, F32, BF16)),
+    ("c=half,o=full", (F32, HALF, F32)),
+    ("half", (HALF, HALF, HALF)),
+    ("full", (F32, F32, F32)),
+    ("bf16", (BF16, BF16, BF16)),
+    ("f64", (np.dtype("float64"),) * 3),
+    # Tolerant whitespace, case, any key order.
+    ("  p = f32 ,\tc = bf16 , o = f32 ", (F32, BF16, F32)),
+    ("O=F32,C=BF16", (F32, BF16, F32)),
+    # Keras names: fp32 variables, 16-bit compute and layer outputs.
+    ("mixed_bfloat16", (F32, BF16, BF16)),
+    ("mixed_float16", (F32, F16, F16)),
+    # fp8 compute leaves outputs in the param dtype.
+    ("c=float8_e4m3fn", (F32, np.dtype(jnp.float8_e4m3fn), F32)),
+    ("p=bf16,c=e5m2,o=f32", (BF16, np.dtype(jnp.float8_e5m2), F32)),
+  ],
+)
+def test_get_policy(text, expected):
+  policy = jl.get_policy(text)
+  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+  assert jl.get_policy(str(policy)) == policy
+
+
+@pytest.mark.parametrize(
+  "text, error, match",
+  [
+    ("", ValueError, "Empty"),
+    ("   ", ValueError, "Empty"),
+    ("x=f32", ValueError, "Unknown key 'x'"),
+    ("param=f32", ValueError, "Unknown key 'param'"),
+    ("p=f32,p=f16", ValueError, "'params' given twice"),
+    ("params=f32,p=bf16", ValueError, "'params' given twice"),
+    ("p=", ValueError, "Malformed part 'p='"),
+    ("=f32", ValueError, "Malformed"),
+    ("p=f32,,c=bf16", ValueError, "Malformed"),
+    ("p=f32,c", ValueError, "Malformed part 'c'"),
+    ("p=f32,", ValueError, "Malformed"),
+    ("c=float", ValueError, "Unknown dtype name 'float'"),
+    ("bogus", ValueError, "Unknown dtype name 'bogus'"),
+    ("c=int8", TypeError, "'int8' is not a floating-point dtype"),
+    ("p=bool", TypeError, "not a floating-point"),
+    ("e4m3", ValueError, "fp8 is accepted for the compute dtype only"),
+    ("p=f8e4m3,c=f16", ValueError, "param_dtype=float8_e4m3fn"),
+    ("c=f8e5m2,o=f8e5m2", ValueError, "output_dtype=float8_e5m2"),
+  ],
+)
+def test_get_policy_errors(text, error, match):
+  with pytest.raises(error, match=match):
+    jl.get_policy(text)
+
+
+@pytest.mark.parametrize("bad", [None, 3, jnp.float32, b"p=f32"])
+def test_get_policy_rejects_non_strings(bad):
+  with pytest.raises(TypeError, match="expects a string"):
+    jl.get_policy(bad)
+
+
+def test_get_policy_passes_a_policy_through():
+  policy = jl.Policy(F32, BF16, F32)
+  assert jl.get_policy(policy) is policy
+
+
+def test_policy_accepts_dtype_objects_and_names():
+  a = jl.Policy(jnp.float32, np.dtype("float16"), "bfloat16")
+  b = jl.Policy(np.float32, jnp.float16, jnp.bfloat16)
+  assert a == b and hash(a) == hash(b)
+  assert a.param_dtype == jnp.float32 and a.compute_dtype == np.float16
+  assert str(a) == "p=f32,c=f16,o=bf16"
+
+
+def test_policy_rejects_bad_dtypes():
+  with pytest.raises(TypeError, match="int32"):
+    jl.Policy(jnp.int32, F32, F32)
+  with pytest.raises(TypeError, match="got None"):
+    jl.Policy(F32, None, F32)
+  with pytest.raises(ValueError, match="Unknown dtype name"):
+    jl.Policy("f33", F32, F32)
+
+
+def test_with_output_dtype():
+  policy = jl.get_policy("p=f32,c=bf16,o=bf16").with_output_dtype(jnp.float32)
+  assert policy == jl.Policy(F32, BF16, F32)
+  with pytest.raises(ValueError):
+    policy.with_output_dtype("float8_e4m3fn")
+
+
+def test_casts_only_floating_array_leaves():
+  policy = jl.get_policy("p=f32,c=bf16,o=f16")
+  tree = {
+    "w": jnp.ones((2, 3), jnp.float32),
+    "np": np.ones(3, np.float64),
+    "i": jnp.arange(3),
+    "u8": np.arange(3, dtype=np.uint8),
+    "b": jnp.array([True]),
+    "py": 1.5,
+    "none": None,
+    "s": "text",
+  }
+  for cast, dtype in [
+    (policy.cast_to_compute, BF16),
+    (policy.cast_to_output, F16),
+    (policy.cast_to_param, F32),
+  ]:
+    out = cast(tree)
+    assert out["w"].dtype == dtype and out["np"].dtype == dtype
+    assert isinstance(out["np"], np.ndarray)  # numpy stays numpy
+    assert out["i"] is tree["i"] and out["u8"] is tree["u8"] and out["b"] is tree["b"]
+    assert out["py"] == 1.5 and isinstance(out["py"], float)
+    assert out["none"] is None and out["s"] == "text"
+
+
+def test_cast_is_a_no_op_when_dtype_matches():
+  x = jnp.ones(3, jnp.float32)
+  assert jl.cast_to_full(x) is x
+
+
+def test_casts_under_jit_vmap_and_grad():
+  policy = jl.get_policy("p=f32,c=f16,o=f32")
+
+  def f(w, x):
+    y = policy.cast_to_compute(w) * policy.cast_to_compute(x)
+    assert y.dtype == F16
+    return policy.cast_to_output(y).sum()
+
+  w = jnp.arange(4.0)
+  g = jax.jit(jax.grad(f))(w, jnp.ones(4))
+  assert g.dtype == F32  # cotangents come back in the param dtype
+  np.testing.assert_array_equal(g, np.ones(4))
+  out = jax.vmap(lambda x: policy.cast_to_compute(x))(jnp.ones((3, 2)))
+  assert out.dtype == F16
+
+
+def test_cast_to_full_and_half():
+  tree = (jnp.ones(2, jnp.bfloat16), np.ones(2, np.float16), jnp.arange(2))
+  full = jl.cast_to_full(tree)
+  assert [x.dtype for x in full] == [F32, F32, np.dtype("int32")]
+  half = jl.cast_to_half(full)
+  assert [x.dtype for x in half] == [HALF, HALF, np.dtype("int32")]
+
+
+def test_policy_is_hashable_static_argument_and_picklable():
+  policy = jl.get_policy("p=f32,c=bf16,o=f32")
+  f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
+  assert f(jnp.ones(2), policy).dtype == BF16
+  assert pickle.loads(pickle.dumps(policy)) == policy
+
+
+finite_f32 = hnp.arrays(
+  np.float32,
+  hnp.array_shapes(max_dims=2, max_side=8),
+  elements=st.floats(width=32, allow_nan=False),
+)
+
+
+@given(finite_f32)
+def test_cast_matches_ml_dtypes_rounding(x):
+  policy = jl.get_policy("p=f32,c=bf16,o=f32")
+  down = policy.cast_to_compute(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(down), x.astype(ml_dtypes.bfloat16))
+  # Widening back is exact: every bf16 value is an f32 value.
+  np.testing.assert_array_equal(
+    np.asarray(policy.cast_to_param(down)), x.astype(ml_dtypes.bfloat16).astype(np.float32)
+  )
+
+
+@given(
+  hnp.arrays(
+    np.float16,
+    hnp.array_shapes(max_dims=2, max_side=8),
+    elements=st.floats(width=16, allow_nan=False, allow_infinity=False),
+  )
+)
+def test_half_to_full_to_half_round_trip_is_exact(x):
+  policy = jl.get_policy("p=f32,c=f16")
+  back = policy.cast_to_compute(jl.cast_to_full(jnp.asarray(x)))
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint16), x.view(np.uint16))
+
+
+@given(
+  st.sampled_from(["f32", "f16", "bf16", "half", "full", "f64"]),
+  st.sampled_from(["f32", "f16", "bf16", "half", "e4m3", "e5m2", None]),
+  st.sampled_from(["f32", "f16", "bf16", None]),
+  st.permutations(["p", "c", "o"]),
+  st.booleans(),
+)
+def test_str_round_trips(p, c, o, order, long_keys):
+  names = {"p": "params", "c": "compute", "o": "output"}
+  values = {"p": p, "c": c, "o": o}
+  parts = [f"{names[k] if long_keys else k} = {values[k]}" for k in order if values[k]]
+  policy = jl.get_policy(" , ".join(parts))
+  assert jl.get_policy(str(policy)) == policy
