@@ -76,7 +76,7 @@ def test_jmp_readme_training_loop():
 def test_policy_is_a_frozen_dataclass_like_jmp():
   policy = jmp.get_policy("c=bf16")
   assert dataclasses.is_dataclass(policy)
-  assert str(policy) == "p=f32,c=bf16,o=bf16"  # jmp's str format
+  assert str(policy) == "p=f32,c=bf16,o=bf16"  # jmp's key=value format
   assert policy.compute_dtype == jnp.bfloat16 and jnp.bfloat16 == policy.compute_dtype
 
 
