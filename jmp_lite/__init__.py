@@ -14,6 +14,13 @@ from jmp_lite.loss_scale import (
   select_tree,
 )
 from jmp_lite.policy import Policy, cast_to_full, cast_to_half, get_policy
+from jmp_lite.transform import (
+    LossScalingState,
+    get_loss_scale,
+    get_loss_scaling_state,
+    loss_scaling,
+    scaled_value_and_grad,
+)
 
 __version__ = "0.1.0"
 
