@@ -15,11 +15,11 @@ from jmp_lite.loss_scale import (
 )
 from jmp_lite.policy import Policy, cast_to_full, cast_to_half, get_policy
 from jmp_lite.transform import (
-    LossScalingState,
-    get_loss_scale,
-    get_loss_scaling_state,
-    loss_scaling,
-    scaled_value_and_grad,
+  LossScalingState,
+  get_loss_scale,
+  get_loss_scaling_state,
+  loss_scaling,
+  scaled_value_and_grad,
 )
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = (
   "DynamicLossScale",
   "FormatInfo",
   "LossScale",
+  "LossScalingState",
   "NoOpLossScale",
   "Policy",
   "StaticLossScale",
@@ -36,8 +37,12 @@ __all__ = (
   "cast_to_full",
   "cast_to_half",
   "format_info",
+  "get_loss_scale",
+  "get_loss_scaling_state",
   "get_policy",
   "half_dtype",
+  "loss_scaling",
   "parse_dtype",
+  "scaled_value_and_grad",
   "select_tree",
 )
