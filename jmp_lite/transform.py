@@ -130,13 +130,13 @@ def loss_scaling(
   inner = optax.with_extra_args_support(inner)
 
   def init(params):
-    zero = jnp.zeros((), jnp.int32)
+    # Distinct buffers per field: a train step may donate its state.
     return LossScalingState(
       loss_scale=loss_scale,
       inner_state=inner.init(params),
-      steps=zero,
-      skipped_steps=zero,
-      consecutive_skips=zero,
+      steps=jnp.zeros((), jnp.int32),
+      skipped_steps=jnp.zeros((), jnp.int32),
+      consecutive_skips=jnp.zeros((), jnp.int32),
       last_finite=jnp.ones((), jnp.bool_),
     )
 

@@ -372,6 +372,15 @@ def test_all_finite(use_jit, bad, dtype):
   assert bool(result) == (bad is None)
 
 
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_all_finite_is_exact_when_the_sum_of_finite_values_overflows(use_jit):
+  f = jax.jit(jl.all_finite) if use_jit else jl.all_finite
+  big = float(np.finfo(np.float32).max)
+  assert bool(f({"a": jnp.full(4, big), "b": jnp.full(3, -big)}))
+  assert bool(f([jnp.full(1000, 60000.0, jnp.float16)]))  # would overflow an fp16 sum
+  assert not bool(f({"a": jnp.full(4, big), "b": jnp.asarray([1.0, jnp.nan])}))
+
+
 def test_all_finite_of_empty_tree():
   assert bool(jl.all_finite({})) and bool(jl.all_finite([None]))
 

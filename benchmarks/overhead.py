@@ -1,0 +1,248 @@
+"""Train-step overhead of loss scaling, side by side in one process.
+
+Variants, all Adam on the same MLP, same data, same fp32 compute (the cost of the
+scaling machinery, not of 16-bit arithmetic, which CPUs do not speed up):
+
+* ``plain``: no loss scaling.
+* ``jmp_lite``: ``jl.loss_scaling(adam, jl.DynamicLossScale(...))``.
+* ``jmp_recipe``: jmp's README recipe (unscale, ``all_finite``, ``adjust``,
+  ``select_tree`` over params and optimizer state). Uses DeepMind's ``jmp`` if it
+  is installed (``pip install jmp``), else jmp_lite's jmp-compatible functions.
+* ``flax_dynamic_scale``: ``flax.training.dynamic_scale.DynamicScale``.
+* ``optax_apply_if_finite``: ``optax.apply_if_finite(adam, ...)`` (skips
+  non-finite steps, no scaling).
+
+Each round times every variant on ``--steps`` steps, in a rotating order; the
+reported ratio is the median over rounds of (variant time / plain time) of the
+same round.
+
+Run: python -m benchmarks.overhead [--rounds 15] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import re
+import statistics
+import time
+
+import flax.training.dynamic_scale
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_lite as jl
+
+try:
+  import jmp as jmp_recipe_lib
+
+  JMP_SOURCE = f"jmp {jmp_recipe_lib.__version__}"
+except ImportError:  # the recipe's operations are the same in jmp_lite
+  jmp_recipe_lib = jl
+  JMP_SOURCE = "jmp_lite's jmp-compatible API (jmp not installed)"
+
+INITIAL_SCALE = 2.0**15
+
+
+def init_mlp(key, widths):
+  params = []
+  for n_in, n_out in itertools.pairwise(widths):
+    key, sub = jax.random.split(key)
+    params.append(
+      {
+        "w": jax.random.normal(sub, (n_in, n_out), jnp.float32) / np.sqrt(n_in),
+        "b": jnp.zeros((n_out,), jnp.float32),
+      }
+    )
+  return params
+
+
+def loss_fn(params, x, y):
+  h = x
+  for layer in params[:-1]:
+    h = jax.nn.gelu(h @ layer["w"] + layer["b"])
+  logits = h @ params[-1]["w"] + params[-1]["b"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_variants(adam):
+  """Returns {name: (init_state_fn, step_fn)}; step(params, state, x, y)."""
+
+  def plain_init(params):
+    return adam.init(params)
+
+  def plain_step(params, state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, state = adam.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  tx = jl.loss_scaling(adam, jl.DynamicLossScale(INITIAL_SCALE))
+
+  def jmp_lite_step(params, state, x, y):
+    _, grads = jl.scaled_value_and_grad(loss_fn, state)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  jmp = jmp_recipe_lib
+
+  def jmp_init(params):
+    return adam.init(params), jmp.DynamicLossScale(jnp.float32(INITIAL_SCALE))
+
+  def jmp_step(params, state, x, y):
+    opt_state, loss_scale = state
+    grads = jax.grad(lambda p: loss_scale.scale(loss_fn(p, x, y)))(params)
+    grads = loss_scale.unscale(grads)
+    grads_finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)
+    updates, new_opt_state = adam.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp.select_tree(
+      grads_finite, (new_params, new_opt_state), (params, opt_state)
+    )
+    return params, (opt_state, loss_scale)
+
+  def flax_init(params):
+    return adam.init(params), flax.training.dynamic_scale.DynamicScale()
+
+  def flax_step(params, state, x, y):
+    opt_state, dynamic_scale = state
+    dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(loss_fn)(params, x, y)
+    updates, new_opt_state = adam.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    select = functools.partial(optax.tree_utils.tree_where, is_finite)
+    return select(new_params, params), (select(new_opt_state, opt_state), dynamic_scale)
+
+  if_finite = optax.apply_if_finite(adam, max_consecutive_errors=5)
+
+  def if_finite_step(params, state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, state = if_finite.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return {
+    "plain": (plain_init, plain_step),
+    "jmp_lite": (tx.init, jmp_lite_step),
+    "jmp_recipe": (jmp_init, jmp_step),
+    "flax_dynamic_scale": (flax_init, flax_step),
+    "optax_apply_if_finite": (if_finite.init, if_finite_step),
+  }
+
+
+def hlo_summary(compiled) -> dict[str, int]:
+  text = compiled.as_text()
+  entry = text[text.index("ENTRY") :]
+  return {
+    "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
+    "entry_ops": entry.count("\n"),
+    "while_or_conditional": len(re.findall(r" (?:conditional|while)\(", entry)),
+  }
+
+
+def run_config(name, widths, batch, rounds, steps):
+  key = jax.random.PRNGKey(0)
+  params = init_mlp(key, widths)
+  x = jax.random.normal(jax.random.fold_in(key, 1), (batch, widths[0]), jnp.float32)
+  y = jax.random.randint(jax.random.fold_in(key, 2), (batch,), 0, widths[-1])
+  adam = optax.adam(1e-4)
+  variants = make_variants(adam)
+
+  jitted, states, hlo = {}, {}, {}
+  for vname, (init, step) in variants.items():
+    state = init(params)
+    # No buffer donation and no AOT .lower() for the timed calls: jmp 0.0.4's
+    # DynamicLossScale breaks under both (its __post_init__ runs on the
+    # placeholder leaves jax unflattens).
+    jitted[vname] = jax.jit(step)
+    try:
+      hlo[vname] = hlo_summary(jitted[vname].lower(params, state, x, y).compile())
+    except TypeError:
+      hlo[vname] = None
+    states[vname] = (jax.tree.map(jnp.copy, params), state)
+    for _ in range(3):  # warm up
+      states[vname] = jitted[vname](*states[vname], x, y)
+    jax.block_until_ready(states[vname])
+
+  names = list(variants)
+  times = {v: [] for v in names}
+  for r in range(rounds):
+    order = names[r % len(names) :] + names[: r % len(names)]
+    for vname in order:
+      state = states[vname]
+      start = time.perf_counter()
+      for _ in range(steps):
+        state = jitted[vname](*state, x, y)
+      jax.block_until_ready(state)
+      times[vname].append((time.perf_counter() - start) / steps)
+      states[vname] = state
+
+  plain = np.asarray(times["plain"])
+  result = {
+    "config": name,
+    "widths": widths,
+    "batch": batch,
+    "params": sum(p.size for p in jax.tree.leaves(params)),
+    "plain_ms": 1e3 * statistics.median(times["plain"]),
+    "variants": {},
+  }
+  for vname in names:
+    ratios = np.asarray(times[vname]) / plain
+    result["variants"][vname] = {
+      "median_ms": 1e3 * statistics.median(times[vname]),
+      "ratio_vs_plain": float(np.median(ratios)),
+      "ratio_iqr": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
+      "hlo": hlo[vname],
+    }
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--json", help="also write the results to this file")
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
+  args = parser.parse_args()
+
+  if args.quick:
+    configs = [("quick", [32, 32, 10], 8)]
+    args.rounds, args.steps = 2, 2
+  else:
+    configs = [
+      ("compute-bound: MLP 1024x4, batch 256", [1024, 1024, 1024, 1024, 10], 256),
+      ("optimizer-bound: MLP 1024x4, batch 8", [1024, 1024, 1024, 1024, 10], 8),
+    ]
+  print(
+    f"backend={jax.default_backend()} jax={jax.__version__} optax={optax.__version__} "
+    f"jmp recipe via {JMP_SOURCE}"
+  )
+  results = []
+  for name, widths, batch in configs:
+    res = run_config(name, widths, batch, args.rounds, args.steps)
+    results.append(res)
+    print(
+      f"\n{name}: {res['params']:,} params, plain step {res['plain_ms']:.2f} ms "
+      f"(median of {args.rounds} rounds x {args.steps} steps)"
+    )
+    print(
+      f"{'variant':24s} {'ms/step':>9s} {'ratio':>7s} {'IQR':>15s} {'fusions':>8s} "
+      f"{'cond/while':>10s}"
+    )
+    for vname, v in res["variants"].items():
+      lo, hi = v["ratio_iqr"]
+      hlo = v["hlo"] or {}
+      print(
+        f"{vname:24s} {v['median_ms']:9.2f} {v['ratio_vs_plain']:7.3f} "
+        f"{f'[{lo:.3f}, {hi:.3f}]':>15s} {hlo.get('fusions', 'n/a'):>8} "
+        f"{hlo.get('while_or_conditional', 'n/a'):>10}"
+      )
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
