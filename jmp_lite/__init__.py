@@ -1,10 +1,19 @@
 """jmp_lite: mixed precision training for JAX, Flax and Optax.
 
 A drop-in replacement for DeepMind's jmp (``import jmp_lite as jmp``) with its
-bugs fixed, plus Optax loss-scaling transformations and Flax integration.
+bugs fixed, plus Optax loss-scaling transformations, layer-wise adaptive loss
+scaling and Flax integration.
 """
 
 from jmp_lite.dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
+from jmp_lite.layerwise import (
+  BoundaryStats,
+  LayerwiseGrads,
+  LayerwiseLossScale,
+  StackedStages,
+  stage_boundary,
+  stages_from_paths,
+)
 from jmp_lite.loss_scale import (
   DynamicLossScale,
   LossScale,
@@ -26,12 +35,16 @@ __version__ = "0.1.0"
 
 __all__ = (
   "FORMATS",
+  "BoundaryStats",
   "DynamicLossScale",
   "FormatInfo",
+  "LayerwiseGrads",
+  "LayerwiseLossScale",
   "LossScale",
   "LossScalingState",
   "NoOpLossScale",
   "Policy",
+  "StackedStages",
   "StaticLossScale",
   "all_finite",
   "cast_to_full",
@@ -45,4 +58,6 @@ __all__ = (
   "parse_dtype",
   "scaled_value_and_grad",
   "select_tree",
+  "stage_boundary",
+  "stages_from_paths",
 )

@@ -63,13 +63,12 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def _unscale(loss_scale: LossScale, scaled_grads: Any, params: Any) -> Any:
-  """Unscales in at least fp32, then casts to the parameter dtype.
+def cast_like_params(grads: Any, params: Any) -> Any:
+  """Casts unscaled gradients to at least fp32, or to each parameter's dtype.
 
   The inner optimizer's state was created from the params, so gradients in the
   param dtype keep the state's dtypes (and the jitted step's signature) fixed.
   """
-  grads = loss_scale.unscale(scaled_grads)
   if params is None:
     return jax.tree.map(
       lambda g: jnp.asarray(g, jnp.promote_types(g.dtype, jnp.float32)) if _is_float(g) else g,
@@ -78,6 +77,21 @@ def _unscale(loss_scale: LossScale, scaled_grads: Any, params: Any) -> Any:
   return jax.tree.map(
     lambda g, p: g.astype(p.dtype) if _is_float(g) and _is_float(p) else g, grads, params
   )
+
+
+def _is_loss_scale(x: Any) -> bool:
+  # Other kinds (e.g. LayerwiseLossScale, in a module above this one) adjust
+  # themselves from the gradients: they implement `unscale_and_adjust`.
+  return isinstance(x, _LOSS_SCALE_TYPES) or hasattr(x, "unscale_and_adjust")
+
+
+def _unscale_and_adjust(loss_scale: Any, scaled_grads: Any, params: Any, axis_name: Any):
+  """Returns (unscaled grads, finite, next loss scale)."""
+  if hasattr(loss_scale, "unscale_and_adjust"):
+    return loss_scale.unscale_and_adjust(scaled_grads, params, axis_name=axis_name)
+  grads = cast_like_params(loss_scale.unscale(scaled_grads), params)
+  finite = loss_scale_lib.all_finite(grads, axis_name)
+  return grads, finite, loss_scale.adjust(finite)
 
 
 def loss_scaling(
@@ -122,10 +136,10 @@ def loss_scaling(
       "inner must be an optax.GradientTransformation (or optax.MultiSteps), got "
       f"{type(inner).__name__}."
     )
-  if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
+  if not _is_loss_scale(loss_scale):
     raise TypeError(
-      "loss_scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got "
-      f"{type(loss_scale).__name__}."
+      "loss_scale must be a NoOpLossScale, StaticLossScale, DynamicLossScale or "
+      f"LayerwiseLossScale, got {type(loss_scale).__name__}."
     )
   inner = optax.with_extra_args_support(inner)
 
@@ -141,14 +155,15 @@ def loss_scaling(
     )
 
   def update(scaled_grads, state, params=None, **extra_args):
-    grads = _unscale(state.loss_scale, scaled_grads, params)
-    finite = loss_scale_lib.all_finite(grads, axis_name)
+    grads, finite, loss_scale = _unscale_and_adjust(
+      state.loss_scale, scaled_grads, params, axis_name
+    )
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     # jnp.where never lets the NaN of the unselected branch through.
     updates = optax.tree_utils.tree_where(finite, updates, optax.tree.zeros_like(updates))
     inner_state = optax.tree_utils.tree_where(finite, inner_state, state.inner_state)
     return updates, LossScalingState(
-      loss_scale=state.loss_scale.adjust(finite),
+      loss_scale=loss_scale,
       inner_state=inner_state,
       steps=optax.safe_increment(state.steps),
       skipped_steps=jnp.where(
@@ -197,7 +212,7 @@ def get_loss_scale(opt_state: Any) -> LossScale:
   Raises:
     ValueError: if ``opt_state`` holds no (or more than one) loss scaling state.
   """
-  if isinstance(opt_state, _LOSS_SCALE_TYPES):
+  if _is_loss_scale(opt_state):
     return opt_state
   return get_loss_scaling_state(opt_state).loss_scale
 
@@ -225,6 +240,8 @@ def scaled_value_and_grad(
     unscales them.
   """
   scale = get_loss_scale(loss_scale)
+  if hasattr(scale, "scaled_value_and_grad"):  # e.g. layer-wise: gradients carry statistics
+    return scale.scaled_value_and_grad(fun, has_aux=has_aux, argnums=argnums)
 
   def scaled_fun(*args, **kwargs):
     out = fun(*args, **kwargs)

@@ -1,0 +1,560 @@
+"""Layer-wise adaptive loss scaling (Zhao, Vogel, Ahmed, Luk 2019).
+
+One loss scale for the whole network must keep the stage with the largest
+gradients below fp16's maximum, so stages whose gradients are many powers of
+two smaller still underflow. Here the model is a chain of *stages*
+``f = f_{K-1} o ... o f_0`` and stage ``k`` has its own power-of-two scale
+``S_k``:
+
+* The loss is multiplied by ``S_{K-1}``.
+* Between stage ``k`` and ``k+1`` sits a *boundary* (:func:`stage_boundary`):
+  the identity forward; backward it multiplies the cotangent by
+  ``S_k / S_{k+1}``, so stage ``k``'s backward pass runs at scale ``S_k``.
+  Both are powers of two, so the conversion is exact.
+* Stage ``k``'s parameter gradients are divided by ``S_k``.
+
+Inside a stage one scale holds, so residual branches that merge inside a block
+stay consistent. The boundaries also report statistics of the cotangent they
+see (max and a histogram of ``floor(log2|g|)``) as the gradient of a zero
+"probe" input, so ``jax.grad`` returns them with the gradients: no host sync.
+
+**Scale rule.** Every ``update_period`` finite steps each stage gets
+
+.. math::
+
+  S_k = 2^{\\lfloor \\log_2 (M \\cdot 2^{-m} / a_k) \\rfloor}
+
+where ``a_k`` is the largest true (unscaled) gradient magnitude seen in stage
+``k`` (its parameter gradients and the cotangents at its boundaries), ``M`` the
+target format's max (65504 for fp16) and ``m`` = ``margin_bits`` of headroom:
+the largest power of two that cannot overflow. Among the scales that keep the
+underflow fraction of a stage at or below ``underflow_fraction``, this is the
+largest one, which also keeps the most mantissa bits for small values
+(subnormals lose precision). If even that scale leaves more than
+``underflow_fraction`` of the stage's values below the format's smallest
+subnormal (the stage's own spread exceeds the format's range), the stage is
+flagged in ``underflow_exceeded``. New scales apply from the next step.
+
+On a non-finite step the update is skipped and the non-finite stages back off
+by ``backoff_factor``. inf/NaN flows backwards from the loss, so the stages
+closer to the loss than the one where the overflow started stay finite and keep
+their scales; stages below it cannot be told apart from the culprit, and the
+next refresh restores them from statistics.
+
+Example (plain JAX; see :mod:`jmp_lite.flax` for Flax models)::
+
+  def loss_fn(params, x, y):
+    h = x
+    for k, layer in enumerate(params):
+      h = jnp.tanh(h @ layer["w"])
+      if k < len(params) - 1:
+        h = jl.stage_boundary(h, k)      # identity outside layer-wise training
+    return jnp.mean((h - y) ** 2)
+
+  scale = jl.LayerwiseLossScale(param_stages=[0, 1, 2, 3])  # a prefix of params
+  tx = jl.loss_scaling(optax.adam(1e-3), scale)
+  loss, grads = jl.scaled_value_and_grad(loss_fn, opt_state)(params, x, y)
+  updates, opt_state = tx.update(grads, opt_state, params)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_lite import dtypes, loss_scale, transform
+
+HIST_MIN_EXP = -64
+"""Exponent of the first histogram bin; smaller magnitudes are counted there."""
+HIST_BINS = 128
+"""Histogram bins: ``floor(log2|g|)`` from HIST_MIN_EXP to HIST_MIN_EXP + 127."""
+
+
+class BoundaryStats(NamedTuple):
+  """Statistics of the cotangents at the stage boundaries.
+
+  Attributes:
+    amax: ``f32[num_stages - 1]``, the largest ``|g|`` seen at each boundary,
+      in the units of the stage above it (scale ``S_{k+1}``).
+    histogram: ``f32[num_stages - 1, HIST_BINS]``, counts of the nonzero finite
+      ``|g|`` by ``floor(log2|g|)``, same units.
+  """
+
+  amax: jax.Array
+  histogram: jax.Array
+
+
+class LayerwiseGrads(NamedTuple):
+  """Scaled parameter gradients plus boundary statistics, for ``loss_scaling``."""
+
+  grads: Any
+  boundary_stats: BoundaryStats
+
+
+def _log2_histogram(x: jax.Array) -> jax.Array:
+  a = jnp.abs(x.astype(jnp.float32)).ravel()
+  counted = (a > 0) & jnp.isfinite(a)
+  exponent = jnp.frexp(a)[1] - 1  # floor(log2 a) for a > 0
+  bins = jnp.clip(exponent - HIST_MIN_EXP, 0, HIST_BINS - 1)
+  return jnp.zeros(HIST_BINS, jnp.float32).at[bins].add(counted.astype(jnp.float32))
+
+
+def _amax(x: jax.Array) -> jax.Array:
+  return jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+
+
+@jax.custom_vjp
+def _boundary(x, ratio, compute_stats, probe_amax, probe_histogram):
+  del ratio, compute_stats, probe_amax, probe_histogram
+  return x
+
+
+def _boundary_fwd(x, ratio, compute_stats, probe_amax, probe_histogram):
+  del probe_amax, probe_histogram
+  return x, (ratio, compute_stats)
+
+
+def _boundary_bwd(residuals, ct):
+  ratio, compute_stats = residuals
+  amax, histogram = lax.cond(
+    compute_stats > 0,
+    lambda: (_amax(ct), _log2_histogram(ct)),
+    lambda: (jnp.zeros((), jnp.float32), jnp.zeros(HIST_BINS, jnp.float32)),
+  )
+  # In fp32: the ratio may be outside the cotangent dtype's range; a power of
+  # two times a value is exact unless the result leaves the range.
+  converted = (ct.astype(jnp.float32) * ratio).astype(ct.dtype)
+  return converted, jnp.zeros_like(ratio), jnp.zeros_like(compute_stats), amax, histogram
+
+
+_boundary.defvjp(_boundary_fwd, _boundary_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoundaryContext:
+  ratios: jax.Array  # S_k / S_{k+1}
+  compute_stats: jax.Array
+  probes: BoundaryStats
+
+
+_ACTIVE: contextvars.ContextVar[_BoundaryContext | None] = contextvars.ContextVar(
+  "jmp_lite_layerwise_context", default=None
+)
+
+
+@contextlib.contextmanager
+def _activate(context: _BoundaryContext):
+  token = _ACTIVE.set(context)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def stage_boundary(x: jax.Array, index: int | jax.Array) -> jax.Array:
+  """Marks the boundary between stage ``index`` and stage ``index + 1``.
+
+  The identity, except while :func:`jmp_lite.scaled_value_and_grad` computes
+  layer-wise scaled gradients: then the backward pass converts the cotangent
+  from stage ``index + 1``'s scale to stage ``index``'s and records its
+  statistics. ``index`` may be traced (e.g. the iteration of a ``scan`` over a
+  stack of layers). Each boundary index should be used once per step.
+  """
+  context = _ACTIVE.get()
+  if context is None:
+    return x
+  if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"stage_boundary expects a floating-point array, got {type(x).__name__}.")
+  num_boundaries = context.ratios.shape[0]
+  if isinstance(index, int) and not 0 <= index < num_boundaries:
+    raise ValueError(
+      f"Boundary index {index} is out of range: with {num_boundaries + 1} stages the "
+      f"boundaries are 0..{num_boundaries - 1}."
+    )
+  return _boundary(
+    x,
+    context.ratios[index],
+    context.compute_stats,
+    context.probes.amax[index],
+    context.probes.histogram[index],
+  )
+
+
+class StackedStages(tuple):
+  """Stage indices of a stacked parameter, one per index of its leading axis.
+
+  For a scanned stack of layers whose parameters have a leading layer axis:
+  ``StackedStages(range(1, 5))`` puts layer i of the stack in stage i + 1.
+  """
+
+  def __new__(cls, stages):
+    return super().__new__(cls, (int(i) for i in stages))
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, (int, np.integer, StackedStages)) and not isinstance(x, bool)
+
+
+def _check_bound(value: Any, name: str, num_stages: int) -> tuple[float, ...]:
+  try:
+    values = np.broadcast_to(np.asarray(value, np.float64), (num_stages,))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{name} must be a scalar or one value per stage, got {value!r}.") from e
+  if not np.all(np.isfinite(values)) or np.any(values <= 0):
+    raise ValueError(f"{name} must be positive and finite, got {value!r}.")
+  return tuple(float(v) for v in values)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerwiseLossScale:
+  """Per-stage power-of-two loss scales, refreshed from gradient statistics.
+
+  Args:
+    param_stages: a pytree with the structure of the parameters whose leaves
+      are stage indices: an int, or for a stacked parameter (leading axis = a
+      scanned stack of layers) a sequence of ints, one per leading index.
+    num_stages: number of stages K (default: 1 + the largest index used).
+    initial_scale: every stage's scale for the first step (use a power of two).
+    update_period: refresh the scales every this many finite steps; statistics
+      are only computed on those steps.
+    underflow_fraction: the target: at most this fraction of a stage's nonzero
+      gradient values may fall below the format's smallest subnormal. 1e-3
+      follows the paper's code (their text allows up to 1e-2).
+    margin_bits: headroom against overflow, in powers of two below the max.
+      Scales are delayed (computed from an earlier step), so gradients that
+      grow before the next refresh need room: with 1-2 bits a deep tanh MLP
+      trained with Adam (lr 3e-2) overflowed right after refreshes; 3 did not.
+    gradient_dtype: the format gradients are computed in: ``float16``
+      (default) or ``float8_e5m2``.
+    min_loss_scale, max_loss_scale: bounds on every stage's scale (scalars or
+      one per stage).
+    backoff_factor: an overflowing stage's scale is divided by this.
+
+  State (pytree leaves): ``scales`` (``f32[K]``), ``steps_since_refresh``, and
+  for logging ``amax`` (true max ``|g|`` per stage at the last refresh) and
+  ``underflow`` (predicted underflow fraction per stage at the new scales).
+  """
+
+  param_stages: Any
+  num_stages: int | None = None
+  initial_scale: float = 2.0**15
+  _: dataclasses.KW_ONLY
+  update_period: int = 1
+  underflow_fraction: float = 1e-3
+  margin_bits: int = 3
+  gradient_dtype: Any = "float16"
+  min_loss_scale: Any = 1.0
+  max_loss_scale: Any = 2.0**64
+  backoff_factor: int = 2
+  scales: jax.Array = dataclasses.field(init=False)
+  steps_since_refresh: jax.Array = dataclasses.field(init=False)
+  amax: jax.Array = dataclasses.field(init=False)
+  underflow: jax.Array = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    specs, treedef = jax.tree.flatten(self.param_stages, is_leaf=_is_spec)
+    if not specs:
+      raise ValueError("param_stages is empty: give a stage index for the parameters.")
+    for spec in specs:
+      if not _is_spec(spec) or (isinstance(spec, StackedStages) and not spec):
+        raise TypeError(
+          "param_stages leaves must be int stage indices or StackedStages, got "
+          f"{spec!r} ({type(spec).__name__})."
+        )
+    largest = max(max(spec) if isinstance(spec, StackedStages) else spec for spec in specs)
+    num_stages = largest + 1 if self.num_stages is None else self.num_stages
+    set_("num_stages", loss_scale._check_int(num_stages, "num_stages", 1))
+    for spec in specs:
+      ids = spec if isinstance(spec, StackedStages) else (spec,)
+      if min(ids) < 0 or max(ids) >= self.num_stages:
+        raise ValueError(f"Stage index in {spec!r} is outside [0, {self.num_stages}).")
+    set_(
+      "param_stages",
+      (treedef, tuple(int(x) if not isinstance(x, StackedStages) else x for x in specs)),
+    )
+    set_("update_period", loss_scale._check_int(self.update_period, "update_period", 1))
+    set_("margin_bits", loss_scale._check_int(self.margin_bits, "margin_bits", 0))
+    set_("backoff_factor", loss_scale._check_int(self.backoff_factor, "backoff_factor", 2))
+    if not 0 < float(self.underflow_fraction) < 1:
+      raise ValueError(f"underflow_fraction must be in (0, 1), got {self.underflow_fraction}.")
+    gradient_dtype = dtypes.parse_dtype(self.gradient_dtype)
+    if gradient_dtype.name not in ("float16", "float8_e5m2"):
+      raise ValueError(f"gradient_dtype must be float16 or float8_e5m2, got {gradient_dtype.name}.")
+    set_("gradient_dtype", gradient_dtype)
+    low = _check_bound(self.min_loss_scale, "min_loss_scale", self.num_stages)
+    high = _check_bound(self.max_loss_scale, "max_loss_scale", self.num_stages)
+    if any(lo > hi for lo, hi in zip(low, high, strict=True)):
+      raise ValueError(f"min_loss_scale {low} exceeds max_loss_scale {high}.")
+    set_("min_loss_scale", low)
+    set_("max_loss_scale", high)
+    initial = loss_scale._as_bound(self.initial_scale, "initial_scale", np.dtype(np.float32))
+    set_("initial_scale", initial)
+    set_("scales", jnp.asarray(np.clip(np.full(self.num_stages, initial), low, high), jnp.float32))
+    # The first step computes statistics, so the second already uses them.
+    set_("steps_since_refresh", jnp.asarray(self.update_period - 1, jnp.int32))
+    set_("amax", jnp.zeros((self.num_stages,), jnp.float32))
+    set_("underflow", jnp.zeros((self.num_stages,), jnp.float32))
+
+  # The jmp-compatible surface -------------------------------------------------
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    """The scale the loss is multiplied by: the last stage's."""
+    return self.scales[-1]
+
+  def scale(self, tree: Any) -> Any:
+    return loss_scale._scale_tree(tree, self.scales[-1])
+
+  def unscale(self, grads: Any) -> Any:
+    """Divides each parameter gradient by its stage's scale (in >= fp32)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    specs = self._leaf_specs(grads)
+    return jax.tree.unflatten(
+      treedef,
+      [self._widen(g) / self._leaf_scale(g, spec) for g, spec in zip(leaves, specs, strict=True)],
+    )
+
+  def adjust(self, grads_finite: jax.Array) -> LayerwiseLossScale:
+    """Without statistics: on overflow halve every stage, else count the step."""
+    finite = loss_scale._check_predicate(grads_finite, "grads_finite")
+    backed = jnp.maximum(self.scales / self.backoff_factor, jnp.asarray(self.min_loss_scale))
+    return loss_scale._replace(
+      self,
+      scales=jnp.where(finite, self.scales, backed.astype(jnp.float32)),
+      steps_since_refresh=jnp.where(
+        finite,
+        jnp.minimum(self.steps_since_refresh + 1, self.update_period - 1),
+        self.steps_since_refresh,
+      ),
+    )
+
+  # Used by jl.loss_scaling and jl.scaled_value_and_grad ---------------------
+
+  def scaled_value_and_grad(
+    self, fun: Callable[..., Any], *, has_aux: bool = False, argnums: int = 0
+  ) -> Callable[..., tuple[Any, LayerwiseGrads]]:
+    if not isinstance(argnums, int):
+      raise TypeError(
+        f"Layer-wise loss scaling differentiates one argument (the params); got argnums={argnums}."
+      )
+    scales = self.scales
+    context_args = dict(
+      ratios=scales[:-1] / scales[1:],
+      compute_stats=(self.steps_since_refresh >= self.update_period - 1).astype(jnp.float32),
+    )
+    num_boundaries = self.num_stages - 1
+
+    def scaled_fun(primal, probes, args, kwargs):
+      args = (*args[:argnums], primal, *args[argnums + 1 :])
+      with _activate(_BoundaryContext(probes=probes, **context_args)):
+        out = fun(*args, **kwargs)
+      value, aux = out if has_aux else (out, None)
+      return loss_scale._scale_tree(value, scales[-1]), (value, aux)
+
+    grad_fn = jax.value_and_grad(scaled_fun, argnums=(0, 1), has_aux=True)
+
+    def value_and_scaled_grad(*args, **kwargs):
+      probes = BoundaryStats(
+        jnp.zeros((num_boundaries,), jnp.float32),
+        jnp.zeros((num_boundaries, HIST_BINS), jnp.float32),
+      )
+      (_, (value, aux)), (grads, stats) = grad_fn(args[argnums], probes, args, kwargs)
+      return ((value, aux) if has_aux else value), LayerwiseGrads(grads, stats)
+
+    return value_and_scaled_grad
+
+  def unscale_and_adjust(self, scaled_grads: Any, params: Any, *, axis_name: Any = None):
+    """Returns (unscaled grads, finite, next state); see the module docstring."""
+    if isinstance(scaled_grads, LayerwiseGrads):
+      scaled_grads, boundary = scaled_grads
+    else:
+      boundary = None
+    leaves, treedef = jax.tree.flatten(scaled_grads)
+    specs = self._leaf_specs(scaled_grads)
+    leaves = [self._widen(g) for g in leaves]
+    unscaled = [g / self._leaf_scale(g, spec) for g, spec in zip(leaves, specs, strict=True)]
+    grads = transform.cast_like_params(jax.tree.unflatten(treedef, unscaled), params)
+
+    stage_finite = self._stage_finite(jax.tree.leaves(grads), specs)
+    if axis_name is not None:
+      stage_finite = lax.pmin(stage_finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    finite = jnp.all(stage_finite)
+
+    due = self.steps_since_refresh >= self.update_period - 1
+    refreshed = lax.cond(
+      due & finite,
+      lambda: self._refresh(leaves, specs, boundary, axis_name),
+      lambda: (self.scales, self.amax, self.underflow),
+    )
+    scales, amax, underflow = refreshed
+    # inf/NaN flows backwards from the loss: the stage where it started is the
+    # non-finite one with the highest index.
+    backed = jnp.where(stage_finite, self.scales, self.scales / self.backoff_factor)
+    backed = jnp.maximum(backed, jnp.asarray(self.min_loss_scale, jnp.float32))
+    next_state = loss_scale._replace(
+      self,
+      scales=jnp.where(finite, scales, backed).astype(jnp.float32),
+      steps_since_refresh=jnp.where(
+        finite & due, 0, jnp.where(finite, self.steps_since_refresh + 1, self.steps_since_refresh)
+      ).astype(jnp.int32),
+      amax=amax,
+      underflow=underflow,
+    )
+    return grads, finite, next_state
+
+  @property
+  def underflow_exceeded(self) -> jax.Array:
+    """Stages whose predicted underflow at their scale exceeds the target."""
+    return self.underflow > self.underflow_fraction
+
+  # Internals ------------------------------------------------------------------
+
+  @staticmethod
+  def _widen(g):
+    return jnp.asarray(g, jnp.promote_types(jnp.result_type(g), jnp.float32))
+
+  def _leaf_specs(self, grads) -> list:
+    """The stage spec of every gradient leaf (param_stages may be a prefix)."""
+    treedef, specs = self.param_stages
+    try:
+      per_leaf = jax.tree.map(
+        lambda spec, subtree: jax.tree.map(lambda _: spec, subtree),
+        jax.tree.unflatten(treedef, specs),
+        grads,
+        is_leaf=_is_spec,
+      )
+    except ValueError as e:
+      raise ValueError(
+        "param_stages must have the structure of the gradients (or be a prefix of it); "
+        f"param_stages: {treedef}, gradients: {jax.tree.structure(grads)}."
+      ) from e
+    return jax.tree.leaves(per_leaf, is_leaf=_is_spec)
+
+  def _leaf_scale(self, g, spec):
+    if not isinstance(spec, StackedStages):
+      return self.scales[spec]
+    if g.ndim == 0 or g.shape[0] != len(spec):
+      raise ValueError(
+        f"A stacked parameter of shape {g.shape} was given {len(spec)} stage indices; "
+        "its leading axis must have one per index."
+      )
+    return self.scales[jnp.asarray(spec)].reshape((-1,) + (1,) * (g.ndim - 1))
+
+  def _per_stage(self, values, specs, reduce_leaf, combine, identity):
+    """Combines a per-leaf (or per-slice) reduction into one value per stage."""
+    out = jnp.full((self.num_stages,), identity, jnp.float32)
+    for g, spec in zip(values, specs, strict=True):
+      if not isinstance(spec, StackedStages):
+        out = combine(out.at[spec], reduce_leaf(g))
+      else:
+        per_slice = jax.vmap(reduce_leaf)(g)
+        out = combine(out.at[jnp.asarray(spec)], per_slice)
+    return out
+
+  def _stage_finite(self, leaves, specs) -> jax.Array:
+    # Same fast path as jl.all_finite: a sum is non-finite if any term is.
+    sums = self._per_stage(leaves, specs, jnp.sum, lambda ref, v: ref.add(v), 0.0)
+    fast = jnp.isfinite(sums)
+    return lax.cond(
+      jnp.all(fast),
+      lambda: fast,
+      lambda: (
+        self._per_stage(
+          leaves,
+          specs,
+          lambda g: jnp.all(jnp.isfinite(g)).astype(jnp.float32),
+          lambda ref, v: ref.min(v),
+          1.0,
+        )
+        > 0
+      ),
+    )
+
+  def _refresh(self, scaled_leaves, specs, boundary: BoundaryStats | None, axis_name):
+    """New scales from this step's statistics, in true (unscaled) units."""
+    scales = self.scales
+    log2_scales = jnp.round(jnp.log2(scales)).astype(jnp.int32)
+    # Parameter gradients: observed at their own stage's scale.
+    amax_w = self._per_stage(scaled_leaves, specs, _amax, lambda ref, v: ref.max(v), 0.0)
+    hist = self._per_stage_histogram(scaled_leaves, specs)  # [K, BINS], at S_k
+    amax = amax_w / scales
+    if boundary is not None and self.num_stages > 1:
+      # Boundary k is observed at S_{k+1}; it is an output of stage k+1's
+      # backward pass and the input of stage k's.
+      b_true = boundary.amax / scales[1:]
+      amax = amax.at[:-1].max(b_true).at[1:].max(b_true)
+      shift_down = log2_scales[:-1] - log2_scales[1:]  # to stage k's units
+      hist = hist.at[1:].add(boundary.histogram)
+      hist = hist.at[:-1].add(jax.vmap(_shift_histogram)(boundary.histogram, shift_down))
+    if axis_name is not None:
+      amax = lax.pmax(amax, axis_name)
+      hist = lax.psum(hist, axis_name)
+
+    fmt = dtypes.format_info(self.gradient_dtype)
+    target = fmt.max * 2.0**-self.margin_bits
+    exponent = jnp.floor(jnp.log2(target / amax))
+    new = jnp.where((amax > 0) & jnp.isfinite(amax), 2.0**exponent, scales)
+    new = jnp.clip(new, jnp.asarray(self.min_loss_scale), jnp.asarray(self.max_loss_scale))
+    new = new.astype(jnp.float32)
+    # Predicted underflow at the new scales: values below half the smallest
+    # subnormal round to zero, i.e. floor(log2|g|) <= log2(min_subnormal) - 2.
+    shift = jnp.round(jnp.log2(new)).astype(jnp.int32) - log2_scales
+    shifted = jax.vmap(_shift_histogram)(hist, shift)
+    cutoff = int(math.log2(fmt.min_subnormal)) - 2 - HIST_MIN_EXP
+    total = jnp.sum(hist, axis=1)
+    lost = jnp.sum(shifted[:, : cutoff + 1], axis=1)
+    underflow = jnp.where(total > 0, lost / jnp.maximum(total, 1), 0.0)
+    return new, amax, underflow
+
+  def _per_stage_histogram(self, leaves, specs):
+    hist = jnp.zeros((self.num_stages, HIST_BINS), jnp.float32)
+    for g, spec in zip(leaves, specs, strict=True):
+      if not isinstance(spec, StackedStages):
+        hist = hist.at[spec].add(_log2_histogram(g))
+      else:
+        hist = hist.at[jnp.asarray(spec)].add(jax.vmap(_log2_histogram)(g))
+    return hist
+
+
+def _shift_histogram(hist: jax.Array, shift: jax.Array) -> jax.Array:
+  """Moves counts ``shift`` bins up (values multiplied by 2^shift); edge bins absorb."""
+  destination = jnp.clip(jnp.arange(HIST_BINS) + shift, 0, HIST_BINS - 1)
+  return jnp.zeros_like(hist).at[destination].add(hist)
+
+
+loss_scale._register(
+  LayerwiseLossScale,
+  ("scales", "steps_since_refresh", "amax", "underflow"),
+  (
+    "param_stages",
+    "num_stages",
+    "initial_scale",
+    "update_period",
+    "underflow_fraction",
+    "margin_bits",
+    "gradient_dtype",
+    "min_loss_scale",
+    "max_loss_scale",
+    "backoff_factor",
+  ),
+)
+
+
+def stages_from_paths(params: Any, assign: Callable[[tuple], int]) -> Any:
+  """Builds ``param_stages`` by calling ``assign(path)`` for every parameter leaf.
+
+  >>> stages_from_paths({"enc": {"w": 0}, "dec": {"w": 0}},
+  ...                   lambda path: 0 if path[0].key == "enc" else 1)
+  {'dec': {'w': 1}, 'enc': {'w': 0}}
+  """
+  return jax.tree_util.tree_map_with_path(lambda path, _: assign(path), params)

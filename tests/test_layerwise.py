@@ -1,0 +1,345 @@
+import os
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jl
+from jmp_lite import layerwise
+
+K = 5
+
+
+def _params(seed=0, width=16, depth=K, std=0.5):
+  key = jax.random.PRNGKey(seed)
+  return [
+    {"w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) * std / np.sqrt(width)}
+    for i in range(depth)
+  ]
+
+
+def _batch(seed=1, width=16):
+  key = jax.random.PRNGKey(seed)
+  return jax.random.normal(key, (32, width)), jax.random.normal(jax.random.fold_in(key, 1), (32,))
+
+
+def deep_tanh(params, x, y, dtype=jnp.float16, boundaries=True):
+  h = x.astype(dtype)
+  for k, layer in enumerate(params):
+    h = jnp.tanh(h @ layer["w"].astype(dtype))
+    if boundaries and k < len(params) - 1:
+      h = jl.stage_boundary(h, k)
+  pred = jnp.sum(h.astype(jnp.float32), axis=-1)
+  return jnp.mean((pred - y) ** 2)
+
+
+def residual_blocks(params, x, y, dtype=jnp.float16):
+  h = x.astype(dtype)
+  for k, block in enumerate(params):
+    h = h + jnp.tanh(h @ block["w"].astype(dtype)) * 0.5  # branches merge inside the stage
+    if k < len(params) - 1:
+      h = jl.stage_boundary(h, k)
+  return jnp.mean((jnp.sum(h.astype(jnp.float32), axis=-1) - y) ** 2)
+
+
+def assert_bitwise_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+def _grads_with(scale, fun, params, x, y):
+  return jax.jit(lambda p: scale.scaled_value_and_grad(fun)(p, x, y))(params)
+
+
+def test_boundary_is_an_exact_identity_forward():
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 8)).astype(jnp.float16)
+  assert jl.stage_boundary(x, 0) is x  # no active context
+  scale = jl.LayerwiseLossScale([0, 1])
+
+  def fun(p, x):
+    out = jl.stage_boundary(x * p, 0)
+    return jnp.sum(out.astype(jnp.float32)), out
+
+  (_, out), _ = scale.scaled_value_and_grad(fun, has_aux=True)(jnp.float16(1), x)
+  assert_bitwise_equal(out, x)
+
+
+def test_equal_scales_give_plain_grad_bitwise():
+  params = _params()
+  x, y = _batch()
+  s = 2.0**12
+  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4], initial_scale=s)
+  loss, grads = _grads_with(scale, deep_tanh, params, x, y)
+  ref_loss, ref = jax.jit(jax.value_and_grad(lambda p: deep_tanh(p, x, y) * s))(params)
+  assert_bitwise_equal(grads.grads, ref)
+  assert np.float32(loss) * np.float32(s) == np.float32(ref_loss)
+  assert_bitwise_equal(scale.unscale(grads.grads), jl.StaticLossScale(s).unscale(ref))
+
+
+def test_each_stage_is_unscaled_by_its_own_scale():
+  params = _params(std=0.3)
+  x, y = _batch()
+  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4])
+  scale = layerwise.loss_scale._replace(
+    scale, scales=jnp.asarray([2.0**20, 2.0**17, 2.0**14, 2.0**11, 2.0**8], jnp.float32)
+  )
+  _, grads = _grads_with(scale, deep_tanh, params, x, y)
+  unscaled = scale.unscale(grads.grads)
+  # Layer k's raw scaled gradient carries S_k: its magnitude tracks the scale.
+  ref32 = jax.grad(deep_tanh)(params, x, y, dtype=jnp.float32, boundaries=False)
+  for k in range(K):
+    g, r = np.asarray(unscaled[k]["w"]), np.asarray(ref32[k]["w"])
+    np.testing.assert_allclose(g, r, rtol=0, atol=2e-2 * np.abs(r).max())
+    ratio = np.abs(np.asarray(grads.grads[k]["w"])).max() / np.abs(r).max()
+    assert 0.9 < ratio / float(scale.scales[k]) < 1.1
+
+
+def test_residual_blocks_match_fp32():
+  params = _params(std=0.4)
+  x, y = _batch()
+  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4])
+  tx = jl.loss_scaling(optax.sgd(0.0), scale)
+  state = tx.init(params)
+  step = jax.jit(
+    lambda p, s: tx.update(jl.scaled_value_and_grad(residual_blocks, s)(p, x, y)[1], s, p)
+  )
+  for _ in range(3):  # back off from the initial overflow, then refresh from statistics
+    _, state = step(params, state)
+  scales = np.asarray(state.loss_scale.scales)
+  assert len(set(scales.tolist())) > 1, "stages should get different scales"
+  _, grads = jl.scaled_value_and_grad(residual_blocks, state)(params, x, y)
+  unscaled = state.loss_scale.unscale(grads.grads)
+  ref32 = jax.grad(residual_blocks)(params, x, y, dtype=jnp.float32)
+  for k in range(K):
+    r = np.asarray(ref32[k]["w"])
+    np.testing.assert_allclose(unscaled[k]["w"], r, rtol=0, atol=2e-2 * np.abs(r).max())
+
+
+def test_boundary_statistics_match_numpy():
+  # Two stages; the cotangent at the boundary is exactly c * S_1.
+  c = np.asarray([0.0, 2.0**-20, -3 * 2.0**-12, 2.0**-3, 1.5, -(2.0**-30), 0.0, 5.0], np.float32)
+  scale = jl.LayerwiseLossScale({"a": 0, "b": 1}, initial_scale=2.0**10)
+
+  def fun(p, c):
+    h = jl.stage_boundary(p["a"] * jnp.ones(8, jnp.float32), 0)
+    return jnp.sum(h * c) * p["b"]
+
+  _, grads = scale.scaled_value_and_grad(fun)({"a": 1.0, "b": 1.0}, jnp.asarray(c))
+  observed = c * 2.0**10
+  nonzero = np.abs(observed[observed != 0])
+  expected_hist = np.zeros(layerwise.HIST_BINS)
+  np.add.at(expected_hist, np.floor(np.log2(nonzero)).astype(int) - layerwise.HIST_MIN_EXP, 1)
+  np.testing.assert_array_equal(grads.boundary_stats.amax, [np.abs(observed).max()])
+  np.testing.assert_array_equal(grads.boundary_stats.histogram[0], expected_hist)
+  # The histogram helper itself, on a wide random sample.
+  v = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 2.0 ** np.arange(
+    -40, 40, 0.08
+  ).astype(np.float32)
+  ref = np.bincount(
+    np.clip(np.floor(np.log2(np.abs(v))).astype(int) - layerwise.HIST_MIN_EXP, 0, 127),
+    minlength=layerwise.HIST_BINS,
+  )
+  np.testing.assert_array_equal(layerwise._log2_histogram(jnp.asarray(v)), ref)
+
+
+def test_scale_rule_and_predicted_underflow():
+  # One stage, one parameter: the gradient of sum(w * c) is c.
+  c = np.asarray([3.0, 2.0**-40, 2.0**-20, 1.0], np.float32)
+  scale = jl.LayerwiseLossScale({"w": 0}, initial_scale=1.0, margin_bits=1)
+  tx = jl.loss_scaling(optax.sgd(0.0), scale)
+  state = tx.init({"w": jnp.zeros(4)})
+  grads = {"w": jnp.asarray(c)}  # already "scaled" by S = 1
+  _, state = tx.update(grads, state, {"w": jnp.zeros(4)})
+  # amax 3: the largest 2^e with 3 * 2^e <= 65504 / 2 is 2^13.
+  assert float(state.loss_scale.scales[0]) == 2.0**13
+  assert float(state.loss_scale.amax[0]) == 3.0
+  # At 2^13: 2^-40 * 2^13 = 2^-27 underflows (< 2^-25); 2^-20 * 2^13 does not.
+  assert float(state.loss_scale.underflow[0]) == 0.25
+  assert bool(state.loss_scale.underflow_exceeded[0])  # 25% > 1e-3: flagged
+
+
+def test_update_period_refreshes_only_every_n_finite_steps():
+  params = _params()
+  x, y = _batch()
+  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4], initial_scale=2.0**10, update_period=3)
+  tx = jl.loss_scaling(optax.sgd(0.0), scale)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(state, poison):
+    _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
+    grads = grads._replace(
+      grads=[
+        {"w": g["w"] * jnp.where(poison & (k == K - 1), jnp.inf, 1.0)}
+        for k, g in enumerate(grads.grads)
+      ]
+    )
+    return tx.update(grads, state, params)[1]
+
+  history = []
+  for poison in [False, False, False, False, True, False, False]:
+    state = step(state, poison)
+    history.append(np.log2(np.asarray(state.loss_scale.scales)).tolist())
+  assert history[0] != [10.0] * K  # step 0 refreshes
+  assert history[1] == history[0] and history[2] == history[0]  # no refresh in between
+  # Step 3 refreshes (statistics seen at better scales may move a stage by a bit).
+  # Only the last stage's gradients were made non-finite: only it backs off.
+  assert history[4] == [*history[3][:-1], history[3][-1] - 1]
+  assert history[5] == history[4]  # the skipped step did not count towards the period
+  assert step._cache_size() == 1
+
+
+def test_overflow_is_skipped_and_the_non_finite_stages_back_off():
+  params = _params()
+  x, y = _batch()
+  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4], initial_scale=2.0**10)
+  tx = jl.loss_scaling(optax.adam(1e-2), scale)
+  state = tx.init(params)
+  _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
+  # inf starting in stage 2 reaches stages 1 and 0 through the backward pass;
+  # stages 3 and 4 (closer to the loss) stay finite and keep their scales.
+  bad = [{"w": g["w"].at[0, 0].set(jnp.inf)} if k <= 2 else g for k, g in enumerate(grads.grads)]
+  updates, new_state = tx.update(grads._replace(grads=bad), state, params)
+  assert not bool(new_state.last_finite)
+  assert all(np.all(np.asarray(u["w"]) == 0) for u in updates)
+  assert_bitwise_equal(new_state.inner_state, state.inner_state)
+  np.testing.assert_array_equal(np.log2(np.asarray(new_state.loss_scale.scales)), [9, 9, 9, 10, 10])
+
+
+def test_scanned_stack_with_traced_boundary_index():
+  depth, width = 4, 8
+  key = jax.random.PRNGKey(3)
+  params = {
+    "stack": jax.random.normal(key, (depth, width, width)) * 0.4 / np.sqrt(width),
+    "head": jax.random.normal(jax.random.fold_in(key, 1), (width,)),
+  }
+  x, y = _batch(width=width)
+
+  def model(p, x, y, dtype=jnp.float16):
+    def body(h, xs):
+      w, i = xs
+      h = jnp.tanh(h @ w.astype(dtype))
+      return jl.stage_boundary(h, i), None
+
+    h, _ = jax.lax.scan(body, x.astype(dtype), (p["stack"], jnp.arange(depth)))
+    return jnp.mean(((h.astype(jnp.float32) @ p["head"]) - y) ** 2)
+
+  stages = {"stack": jl.StackedStages(range(depth)), "head": depth}
+  scale = jl.LayerwiseLossScale(stages)
+  assert scale.num_stages == depth + 1
+  scale = layerwise.loss_scale._replace(
+    scale, scales=jnp.asarray(2.0 ** np.asarray([18, 15, 12, 9, 6]), jnp.float32)
+  )
+  _, grads = scale.scaled_value_and_grad(model)(params, x, y)
+  assert np.all(np.asarray(grads.boundary_stats.amax) > 0)
+  unscaled = scale.unscale(grads.grads)
+  ref = jax.grad(model)(params, x, y, dtype=jnp.float32)
+  for name in ("stack", "head"):
+    r = np.asarray(ref[name])
+    np.testing.assert_allclose(unscaled[name], r, rtol=0, atol=2e-2 * np.abs(r).max())
+
+
+def test_trains_like_fp32_through_loss_scaling_traced_once():
+  params = _params(std=1.0)
+  x, y = _batch()
+
+  def train(loss_scale, dtype):
+    tx = jl.loss_scaling(optax.adam(3e-2), loss_scale)
+    p, state = params, tx.init(params)
+
+    @jax.jit
+    def step(p, state):
+      loss, grads = jl.scaled_value_and_grad(lambda q: deep_tanh(q, x, y, dtype), state)(p)
+      updates, state = tx.update(grads, state, p)
+      return optax.apply_updates(p, updates), state, loss
+
+    losses = []
+    for _ in range(25):
+      p, state, loss = step(p, state)
+      losses.append(float(loss))
+    assert step._cache_size() == 1
+    return np.asarray(losses), state
+
+  ref, _ = train(jl.NoOpLossScale(), jnp.float32)
+  losses, state = train(jl.LayerwiseLossScale([0, 1, 2, 3, 4], update_period=5), jnp.float16)
+  assert int(state.skipped_steps) == 0
+  assert ref[-1] < 0.5 * ref[0]
+  # Within the noise of fp16 rounding in an Adam run at lr 3e-2.
+  assert np.abs(losses - ref).max() < 0.03 * ref[0]
+
+
+@pytest.mark.parametrize("via", ["pickle", "orbax", "tree_map"])
+def test_state_round_trips(via, tmp_path):
+  scale = jl.LayerwiseLossScale(
+    {"a": 0, "b": jl.StackedStages([1, 2])}, update_period=7, min_loss_scale=[1.0, 2.0, 4.0]
+  )
+  tx = jl.loss_scaling(optax.sgd(1.0), scale)
+  params = {"a": jnp.ones(2), "b": jnp.ones((2, 3))}
+  state = tx.init(params)
+  _, state = tx.update({"a": jnp.ones(2), "b": jnp.ones((2, 3)) * 8}, state, params)
+  if via == "pickle":
+    restored = pickle.loads(pickle.dumps(state))
+  elif via == "tree_map":
+    restored = jax.tree.map(lambda x: x, state)
+  else:
+    import orbax.checkpoint as ocp
+
+    path = os.fspath(tmp_path / "ckpt")
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(path, state)
+    with ocp.StandardCheckpointer() as checkpointer:
+      restored = checkpointer.restore(
+        path, jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(params))
+      )
+  assert_bitwise_equal(restored, state)
+  assert restored.loss_scale.update_period == 7
+  assert restored.loss_scale.min_loss_scale == (1.0, 2.0, 4.0)
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+
+
+def test_adjust_without_statistics():
+  scale = jl.LayerwiseLossScale([0, 1], initial_scale=8.0)
+  np.testing.assert_array_equal(scale.adjust(jnp.array(False)).scales, [4.0, 4.0])
+  np.testing.assert_array_equal(scale.adjust(jnp.array(True)).scales, [8.0, 8.0])
+  assert float(scale.loss_scale) == 8.0
+  assert float(scale.scale(jnp.float32(2.0))) == 16.0
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    ({"param_stages": []}, ValueError, "empty"),
+    ({"param_stages": [0, "1"]}, TypeError, "stage indices"),
+    ({"param_stages": [0, True]}, TypeError, "stage indices"),
+    ({"param_stages": [0, -1]}, ValueError, "outside"),
+    ({"param_stages": [0, 3], "num_stages": 2}, ValueError, "outside"),
+    ({"param_stages": [0], "update_period": 0}, ValueError, "update_period"),
+    ({"param_stages": [0], "underflow_fraction": 0.0}, ValueError, "underflow_fraction"),
+    ({"param_stages": [0], "gradient_dtype": "bfloat16"}, ValueError, "float16 or float8_e5m2"),
+    ({"param_stages": [0], "initial_scale": -1.0}, ValueError, "initial_scale"),
+    ({"param_stages": [0, 1], "min_loss_scale": [1.0, 2.0, 3.0]}, ValueError, "min_loss_scale"),
+    ({"param_stages": [0], "min_loss_scale": 8.0, "max_loss_scale": 4.0}, ValueError, "exceeds"),
+    ({"param_stages": [0], "backoff_factor": 1}, ValueError, "backoff_factor"),
+  ],
+)
+def test_bad_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jl.LayerwiseLossScale(**kwargs)
+
+
+def test_bad_usage_errors():
+  scale = jl.LayerwiseLossScale([0, 1])
+  with pytest.raises(ValueError, match="structure of the gradients"):
+    scale.unscale({"a": jnp.ones(2)})
+  with pytest.raises(ValueError, match="out of range"):
+    scale.scaled_value_and_grad(lambda p: jnp.sum(jl.stage_boundary(p[0], 1)))([jnp.ones(2)] * 2)
+  with pytest.raises(TypeError, match="argnums"):
+    scale.scaled_value_and_grad(lambda p: p, argnums=(0, 1))
+  stacked = jl.LayerwiseLossScale({"s": jl.StackedStages([0, 1])})
+  with pytest.raises(ValueError, match="leading axis"):
+    stacked.unscale({"s": jnp.ones((3, 2))})
