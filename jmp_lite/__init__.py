@@ -5,6 +5,19 @@ bugs fixed, plus Optax loss-scaling transformations, layer-wise adaptive loss
 scaling and Flax integration.
 """
 
+from jmp_lite.audit import AuditConfig, AuditReport, Finding, SourceLocation, audit, audit_jaxpr
+from jmp_lite.diagnostics import (
+  Culprit,
+  GradientStats,
+  LossScaleHealth,
+  LossScaleMonitor,
+  every_n_steps,
+  gradient_statistics,
+  likely_culprits,
+  loss_scale_health,
+  parameter_order,
+  stats_to_metrics,
+)
 from jmp_lite.dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
 from jmp_lite.layerwise import (
   BoundaryStats,
@@ -35,29 +48,45 @@ __version__ = "0.1.0"
 
 __all__ = (
   "FORMATS",
+  "AuditConfig",
+  "AuditReport",
   "BoundaryStats",
+  "Culprit",
   "DynamicLossScale",
+  "Finding",
   "FormatInfo",
+  "GradientStats",
   "LayerwiseGrads",
   "LayerwiseLossScale",
   "LossScale",
+  "LossScaleHealth",
+  "LossScaleMonitor",
   "LossScalingState",
   "NoOpLossScale",
   "Policy",
+  "SourceLocation",
   "StackedStages",
   "StaticLossScale",
   "all_finite",
+  "audit",
+  "audit_jaxpr",
   "cast_to_full",
   "cast_to_half",
+  "every_n_steps",
   "format_info",
   "get_loss_scale",
   "get_loss_scaling_state",
   "get_policy",
+  "gradient_statistics",
   "half_dtype",
+  "likely_culprits",
+  "loss_scale_health",
   "loss_scaling",
+  "parameter_order",
   "parse_dtype",
   "scaled_value_and_grad",
   "select_tree",
   "stage_boundary",
   "stages_from_paths",
+  "stats_to_metrics",
 )
