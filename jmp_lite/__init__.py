@@ -5,6 +5,7 @@ bugs fixed, plus Optax loss-scaling transformations, layer-wise adaptive loss
 scaling and Flax integration.
 """
 
+from jmp_lite import fp8
 from jmp_lite.audit import AuditConfig, AuditReport, Finding, SourceLocation, audit, audit_jaxpr
 from jmp_lite.diagnostics import (
   Culprit,
@@ -19,6 +20,14 @@ from jmp_lite.diagnostics import (
   stats_to_metrics,
 )
 from jmp_lite.dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
+from jmp_lite.fp8 import (
+  Fp8Config,
+  Fp8DotAmax,
+  Fp8DotState,
+  Fp8Policy,
+  Fp8ScaleState,
+  get_fp8_policy,
+)
 from jmp_lite.layerwise import (
   BoundaryStats,
   LayerwiseGrads,
@@ -55,6 +64,11 @@ __all__ = (
   "DynamicLossScale",
   "Finding",
   "FormatInfo",
+  "Fp8Config",
+  "Fp8DotAmax",
+  "Fp8DotState",
+  "Fp8Policy",
+  "Fp8ScaleState",
   "GradientStats",
   "LayerwiseGrads",
   "LayerwiseLossScale",
@@ -74,6 +88,8 @@ __all__ = (
   "cast_to_half",
   "every_n_steps",
   "format_info",
+  "fp8",
+  "get_fp8_policy",
   "get_loss_scale",
   "get_loss_scaling_state",
   "get_policy",

@@ -1,0 +1,1013 @@
+"""fp8 matmuls with per-tensor delayed scaling (E4M3 forward, E5M2 backward).
+
+An fp8 matmul quantizes each operand with its own scale :math:`s`, multiplies
+the 8-bit values with fp32 accumulation, and multiplies the result back by the
+scales:
+
+.. math::
+
+  q(x) = \\mathrm{fp8}\\big(\\mathrm{sat}(x / s_x)\\big), \\qquad
+  y = \\big(q(x) \\cdot q(k)\\big)_{\\text{fp32}} \\; s_x s_k
+
+where :math:`\\mathrm{sat}` clips finite values to the format's largest value
+(448 for E4M3, 57344 for E5M2; see :data:`jmp_lite.dtypes.FORMATS`). In the
+backward pass the output gradient :math:`g` is quantized to E5M2 with its own
+scale :math:`s_g` (gradients need range more than precision), and
+
+.. math::
+
+  \\partial x = \\big(q(g) \\cdot q(k)^\\top\\big)_{\\text{fp32}} \\; s_g s_k, \\qquad
+  \\partial k = \\big(q(x)^\\top \\cdot q(g)\\big)_{\\text{fp32}} \\; s_x s_g .
+
+Delayed scaling picks each scale from the absolute maxima (amax) seen in
+earlier steps: the state of one tensor is its current scale and a history of
+the last :math:`L` amaxes (:class:`Fp8ScaleState`). After a step that observed
+:math:`a_t = \\max |x_t|`,
+
+.. math::
+
+  h \\leftarrow (a_t, h_0, \\dots, h_{L-2}), \\qquad
+  A = \\begin{cases} \\max_i h_i & \\texttt{"max"} \\\\ h_0 & \\texttt{"most_recent"}\\end{cases},
+  \\qquad
+  s \\leftarrow \\begin{cases}
+    A \\cdot 2^{\\text{margin}} / \\text{fp8\\_max} & 0 < A < \\infty \\\\
+    s & \\text{otherwise (keep the previous scale)}
+  \\end{cases}
+
+The step itself only *reads* the scales; what it observed comes back as the
+gradient of a zero-valued "amax probe" (:class:`Fp8DotAmax`), because the
+output-gradient amax exists only in the backward pass. :func:`update` then
+folds the observations into the state, outside differentiation::
+
+  state = fp8.init_dot_state()            # one per matmul, in any pytree
+
+  def loss_fn(params, amax):
+    y = fp8.dot_general(x, params, (((1,), (0,)), ((), ())), state, amax)
+    return jnp.mean((y - target) ** 2)
+
+  grads, amax = jax.grad(loss_fn, argnums=(0, 1))(params, fp8.zeros_amax(state))
+  state = fp8.update(state, amax)         # axis_name=... under shard_map/pmap
+
+Observations from several devices or gradient-accumulation microsteps are
+combined with ``max`` (:func:`reduce_amax`, :func:`combine_amax`), never summed.
+See ``docs/fp8.md`` for the design, the Flax integration and the differences
+from ``flax.linen.fp8_ops``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import numbers
+import string
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_lite import dtypes
+from jmp_lite import policy as policy_lib
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+_F32 = np.dtype(jnp.float32)
+
+
+# -----------------------------------------------------------------------------
+# Configuration
+
+
+def _as_fp8_dtype(value: Any, name: str) -> np.dtype:
+  """Parses a dtype and checks that it is one of the fp8 formats in FORMATS."""
+  dtype = dtypes.parse_dtype(value)  # TypeError/ValueError for junk
+  if not dtypes.is_float8(dtype) or dtype.name not in dtypes.FORMATS:
+    supported = ", ".join(d.name for d in dtypes.FLOAT8_DTYPES)
+    raise ValueError(f"{name} must be an fp8 format ({supported}), got {dtype.name}.")
+  return dtype
+
+
+def _check_history_length(value: Any) -> int:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"amax_history_length must be an int >= 1, got {value!r}.")
+  if value < 1:
+    raise ValueError(f"amax_history_length must be >= 1, got {value}.")
+  return int(value)
+
+
+def _check_margin(value: Any) -> float:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise TypeError(f"margin must be a finite number >= 0, got {value!r}.")
+  margin = float(value)
+  # 2**margin must stay a finite fp32 factor; margins used in practice are 0-4.
+  if not (math.isfinite(margin) and 0 <= margin < 64):
+    raise ValueError(f"margin must be finite, >= 0 and < 64, got {value!r}.")
+  return margin
+
+
+def _check_algo(value: Any) -> str:
+  if not isinstance(value, str):
+    raise TypeError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {value!r}.")
+  if value not in AMAX_COMPUTE_ALGOS:
+    raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {value!r}.")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """How fp8 matmuls quantize and how their scales adapt (hashable, jit-static).
+
+  Attributes:
+    fwd_dtype: format of the inputs and kernels in the forward pass (default
+      ``float8_e4m3fn``: 3 mantissa bits, max 448).
+    bwd_dtype: format of the output gradient in the backward pass (default
+      ``float8_e5m2``: 2 mantissa bits, max 57344). E4M3 forward with E5M2
+      backward is Transformer Engine's "hybrid" recipe.
+    amax_history_length: how many steps of amax each tensor remembers (>= 1).
+    amax_compute_algo: ``"max"`` takes the largest amax in the history (robust
+      to a tensor whose range shrinks for a step), ``"most_recent"`` the last
+      one (adapts fastest).
+    margin: extra headroom in powers of two: the scale maps ``amax * 2**margin``
+      to the format's largest value.
+
+  >>> Fp8Config(amax_history_length=16).fwd_dtype.name
+  'float8_e4m3fn'
+  """
+
+  fwd_dtype: dtypes.DTypeLike = E4M3
+  bwd_dtype: dtypes.DTypeLike = E5M2
+  amax_history_length: int = 1024
+  amax_compute_algo: str = "max"
+  margin: float = 0.0
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    set_("fwd_dtype", _as_fp8_dtype(self.fwd_dtype, "fwd_dtype"))
+    set_("bwd_dtype", _as_fp8_dtype(self.bwd_dtype, "bwd_dtype"))
+    set_("amax_history_length", _check_history_length(self.amax_history_length))
+    set_("amax_compute_algo", _check_algo(self.amax_compute_algo))
+    set_("margin", _check_margin(self.margin))
+
+
+def _as_config(config: Fp8Config | None) -> Fp8Config:
+  if config is None:
+    return Fp8Config()
+  if not isinstance(config, Fp8Config):
+    raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}.")
+  return config
+
+
+# -----------------------------------------------------------------------------
+# State
+
+
+class Fp8ScaleState(NamedTuple):
+  """Delayed-scaling state of one tensor.
+
+  Attributes:
+    scale: float32 scalar, the value of one fp8 unit: ``x ~= scale * q``. It
+      is the scale the *next* step quantizes with.
+    amax_history: float32 ``[L]``, the observed absolute maxima, most recent
+      first (index 0), oldest last.
+  """
+
+  scale: jax.Array
+  amax_history: jax.Array
+
+
+class Fp8DotState(NamedTuple):
+  """Scales of one fp8 matmul: its input (lhs), kernel (rhs) and output gradient."""
+
+  input: Fp8ScaleState
+  kernel: Fp8ScaleState
+  output_grad: Fp8ScaleState
+
+
+class Fp8DotAmax(NamedTuple):
+  """What one matmul observed in a step: the amax of each of its tensors.
+
+  Passed into :func:`dot_general` as zeros (the "probe"); its gradient holds
+  the observations. The output-gradient amax is in unscaled units (divided by
+  the loss scale).
+  """
+
+  input: jax.Array
+  kernel: jax.Array
+  output_grad: jax.Array
+
+
+def init_scale_state(amax_history_length: int = 1024) -> Fp8ScaleState:
+  """A scale of 1 and an all-zero history (zero amaxes keep the scale at 1)."""
+  length = _check_history_length(amax_history_length)
+  return Fp8ScaleState(jnp.ones((), _F32), jnp.zeros((length,), _F32))
+
+
+def init_dot_state(config: Fp8Config | None = None) -> Fp8DotState:
+  """The initial :class:`Fp8DotState` of one matmul."""
+  length = _as_config(config).amax_history_length
+  return Fp8DotState(*(init_scale_state(length) for _ in Fp8DotState._fields))
+
+
+def _is_dot_state(x: Any) -> bool:
+  return isinstance(x, Fp8DotState)
+
+
+def zeros_amax(state: Any) -> Any:
+  """The amax probes for a pytree of :class:`Fp8DotState`: each replaced by zeros.
+
+  Differentiate the loss with respect to these (``argnums``) to collect the
+  observations :func:`update` needs.
+  """
+
+  def probe(dot_state: Any) -> Fp8DotAmax:
+    if not isinstance(dot_state, Fp8DotState):
+      raise TypeError(f"Expected Fp8DotState nodes in the state, found {type(dot_state).__name__}.")
+    # Shaped like the scales, so stacked states (nn.scan layers) get stacked probes.
+    return Fp8DotAmax(*(jnp.zeros(jnp.shape(t.scale), _F32) for t in dot_state))
+
+  return jax.tree.map(probe, state, is_leaf=_is_dot_state)
+
+
+# -----------------------------------------------------------------------------
+# Quantization
+
+
+def compute_amax(x: jax.typing.ArrayLike) -> jax.Array:
+  """``max |x|`` as a float32 scalar (0 for an empty array; NaN if x has one)."""
+  x = jnp.asarray(x)
+  return jnp.max(jnp.abs(x), initial=0).astype(_F32)
+
+
+def quantize(x: jax.typing.ArrayLike, scale: jax.typing.ArrayLike, dtype: Any) -> jax.Array:
+  """Returns ``x / scale`` rounded to the fp8 ``dtype``, saturating finite values.
+
+  The division is done in float32 and rounds to nearest even. Finite values
+  beyond the format's range clip to +-max (the amax grew since the scale was
+  computed); inf and NaN stay non-finite (NaN in ``float8_e4m3fn``, which has
+  no inf), so an overflow upstream still reaches the finiteness check of
+  :func:`jmp_lite.loss_scaling` instead of being clipped into a finite value.
+  """
+  dtype = _as_fp8_dtype(dtype, "dtype")
+  fp8_max = dtypes.FORMATS[dtype.name].max
+  x = jnp.asarray(x).astype(_F32)
+  y = x / jnp.asarray(scale, _F32)
+  return jnp.where(jnp.isfinite(x), jnp.clip(y, -fp8_max, fp8_max), y).astype(dtype)
+
+
+def dequantize(
+  q: jax.typing.ArrayLike, scale: jax.typing.ArrayLike, dtype: Any = _F32
+) -> jax.Array:
+  """Returns ``q * scale`` (computed in float32) in ``dtype``."""
+  q = jnp.asarray(q)
+  return (q.astype(_F32) * jnp.asarray(scale, _F32)).astype(dtype)
+
+
+def quantize_dequantize(
+  x: jax.typing.ArrayLike, scale: jax.typing.ArrayLike, dtype: Any
+) -> jax.Array:
+  """``dequantize(quantize(x, scale, dtype), scale)`` in x's dtype: the fp8 value of x."""
+  x = jnp.asarray(x)
+  return dequantize(quantize(x, scale, dtype), scale, x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Scale updates
+
+
+def compute_scale(
+  amax: jax.typing.ArrayLike,
+  previous_scale: jax.typing.ArrayLike,
+  dtype: Any,
+  margin: float = 0.0,
+) -> jax.Array:
+  """The scale that maps ``amax * 2**margin`` to the largest value of ``dtype``.
+
+  .. math:: s = \\frac{A \\cdot 2^{\\text{margin}}}{\\text{fp8\\_max}}
+
+  Keeps ``previous_scale`` when ``amax`` is zero, negative or non-finite (no
+  information: an all-zero tensor, or an overflow), and when the new scale
+  would underflow to zero or overflow float32.
+
+  >>> float(compute_scale(896.0, 1.0, "float8_e4m3fn"))
+  2.0
+  """
+  fp8_max = dtypes.FORMATS[_as_fp8_dtype(dtype, "dtype").name].max
+  margin = _check_margin(margin)
+  amax = jnp.asarray(amax, _F32)
+  previous_scale = jnp.asarray(previous_scale, _F32)
+  scale = amax / jnp.float32(fp8_max) * jnp.float32(2.0**margin)
+  usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
+  return jnp.where(usable, scale, previous_scale)
+
+
+def update_scale(
+  state: Fp8ScaleState,
+  amax: jax.typing.ArrayLike,
+  dtype: Any,
+  *,
+  margin: float = 0.0,
+  amax_compute_algo: str = "max",
+) -> Fp8ScaleState:
+  """Pushes one observed amax into the history and recomputes the scale.
+
+  A non-finite observation (an overflowed step) is dropped: the history and
+  scale are unchanged. Pushing it would pin the ``"max"`` rule to inf, which
+  keeps the old scale, for ``L`` steps.
+
+  Stacked states (``scale`` of shape ``[...]``, ``amax_history`` of shape
+  ``[..., L]``, e.g. the layers of ``nn.scan``) update elementwise with an
+  ``amax`` of shape ``[...]``.
+
+  >>> state = init_scale_state(3)
+  >>> state = update_scale(state, 448.0, "float8_e4m3fn")
+  >>> float(state.scale), state.amax_history.tolist()
+  (1.0, [448.0, 0.0, 0.0])
+  """
+  algo = _check_algo(amax_compute_algo)
+  history = jnp.asarray(state.amax_history)
+  scale = jnp.asarray(state.scale)
+  if history.ndim < 1 or history.shape[-1] < 1 or history.shape[:-1] != scale.shape:
+    raise ValueError(
+      f"amax_history must have shape scale.shape + (L,) with L >= 1; got amax_history "
+      f"{history.shape} and scale {scale.shape}."
+    )
+  amax = jnp.asarray(amax, history.dtype)
+  if amax.shape != scale.shape:
+    raise ValueError(f"amax must have the scale's shape {scale.shape}, got {amax.shape}.")
+  pushed = jnp.concatenate([amax[..., None], history[..., :-1]], axis=-1)
+  history = jnp.where(jnp.isfinite(amax)[..., None], pushed, history)
+  summary = jnp.max(history, axis=-1) if algo == "max" else history[..., 0]
+  return Fp8ScaleState(compute_scale(summary, scale, dtype, margin), history)
+
+
+def reduce_amax(amax: Any, axis_name: Any) -> Any:
+  """Max of the observations across a ``shard_map``/``pmap`` axis (or axes).
+
+  Every device must quantize with the same scale, and the scale must cover the
+  largest value any device saw: max, not sum or mean (a mean would saturate the
+  devices with the largest values). Not needed under sharded ``jit``, where
+  amaxes are already global.
+  """
+  return jax.tree.map(lambda a: lax.pmax(a, axis_name), amax)
+
+
+def combine_amax(*amaxes: Any) -> Any:
+  """Elementwise max of the observations of several gradient-accumulation microsteps.
+
+  NaN or inf in any of them (an overflowed microstep) wins, so :func:`update`
+  drops that tensor's observation for the accumulated step.
+  """
+  if not amaxes:
+    raise TypeError("combine_amax needs at least one amax tree.")
+  return jax.tree.map(lambda *a: functools.reduce(jnp.maximum, a), *amaxes)
+
+
+def update(state: Any, amax: Any, config: Fp8Config | None = None, *, axis_name: Any = None) -> Any:
+  """Folds one step's observations into a pytree of :class:`Fp8DotState`.
+
+  Args:
+    state: any pytree whose fp8 nodes are :class:`Fp8DotState` (e.g. the
+      ``"fp8_state"`` collection of a Flax linen model).
+    amax: the matching pytree of :class:`Fp8DotAmax` (the gradient of
+      :func:`zeros_amax`), possibly combined over microsteps.
+    config: formats, margin and amax rule (the history length comes from the
+      state's arrays).
+    axis_name: under ``shard_map``/``pmap``, the axis (or axes) to max-reduce
+      the observations over first, so every device computes the same scales.
+
+  Returns:
+    The new state, with the same structure. Inputs and kernels use
+    ``config.fwd_dtype``, output gradients ``config.bwd_dtype``.
+  """
+  config = _as_config(config)
+  if axis_name is not None:
+    amax = reduce_amax(amax, axis_name)
+  kw = {"margin": config.margin, "amax_compute_algo": config.amax_compute_algo}
+
+  def update_dot(dot_state: Any, dot_amax: Any) -> Fp8DotState:
+    if not isinstance(dot_state, Fp8DotState):
+      raise TypeError(
+        f"Expected the state's leaves to be Fp8DotState nodes, found {type(dot_state).__name__}."
+      )
+    if not isinstance(dot_amax, Fp8DotAmax):
+      raise TypeError(
+        "amax must mirror the state with an Fp8DotAmax for each Fp8DotState (see zeros_amax), "
+        f"found {type(dot_amax).__name__}."
+      )
+    return Fp8DotState(
+      input=update_scale(dot_state.input, dot_amax.input, config.fwd_dtype, **kw),
+      kernel=update_scale(dot_state.kernel, dot_amax.kernel, config.fwd_dtype, **kw),
+      output_grad=update_scale(dot_state.output_grad, dot_amax.output_grad, config.bwd_dtype, **kw),
+    )
+
+  try:
+    return jax.tree.map(update_dot, state, amax, is_leaf=_is_dot_state)
+  except ValueError as e:
+    raise ValueError(
+      f"The amax tree does not match the fp8 state tree; build it with zeros_amax(state). {e}"
+    ) from e
+
+
+# -----------------------------------------------------------------------------
+# The matmul
+
+
+def _canonical_dimension_numbers(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int):
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(i) for i in d) for d in (lc, rc, lb, rb))
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+      "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
+      f"got {dimension_numbers!r}."
+    ) from e
+  if len(lc) != len(rc) or len(lb) != len(rb):
+    raise ValueError(f"Mismatched contracting or batch dimensions in {dimension_numbers!r}.")
+  for dims, ndim, side in ((lc + lb, lhs_ndim, "lhs"), (rc + rb, rhs_ndim, "rhs")):
+    if len(set(dims)) != len(dims) or any(not 0 <= d < ndim for d in dims):
+      raise ValueError(
+        f"Invalid {side} dimensions {dims} for an operand of rank {ndim} in "
+        f"dimension_numbers {dimension_numbers!r}."
+      )
+  return (lc, rc), (lb, rb)
+
+
+def _free_axes(ndim: int, contracting: tuple[int, ...], batch: tuple[int, ...]):
+  return tuple(i for i in range(ndim) if i not in contracting and i not in batch)
+
+
+def _result_sharding(operand: jax.Array, axes: list[int]) -> Any:
+  """The sharding of a cotangent computed with its axes in the order ``axes``.
+
+  Under explicit sharding a matmul that contracts a sharded axis needs its
+  output sharding spelled out; a cotangent is sharded like its primal, whose
+  spec is permuted here to the matmul's output order (as JAX's own transpose
+  rule for dot_general does).
+  """
+  sharding = getattr(_aval(operand), "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  if sharding.mesh.empty:  # an unsharded operand inside a computation over a mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return None
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * len(axes))))
+  spec = tuple(sharding.spec) + (None,) * (operand.ndim - len(sharding.spec))
+  return jax.sharding.NamedSharding(
+    sharding.mesh, jax.sharding.PartitionSpec(*(spec[a] for a in axes))
+  )
+
+
+def _aval(x: Any) -> Any:
+  return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+
+
+def _dot(lhs, rhs, dims, out_sharding=None) -> jax.Array:
+  """fp32-accumulating dot_general; ``out_sharding`` only when set (newer JAX only)."""
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  return lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32, **kwargs)
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The shard_map mesh axes over which x varies (empty outside shard_map)."""
+  aval = _aval(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+  if manual is not None:
+    return frozenset(getattr(manual, "varying", ()))
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _sorted_axes(axes: frozenset) -> tuple:
+  return tuple(sorted(axes, key=str))
+
+
+def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
+  """Marks an invariant x as varying over ``axes`` (its transpose sums over them)."""
+  if not axes:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, _sorted_axes(axes), to="varying")
+  return lax.pvary(x, _sorted_axes(axes))
+
+
+def _match_varying(amax: jax.Array, axes: frozenset) -> jax.Array:
+  """Gives an observed amax the probe's shard_map type: max over the extra axes.
+
+  JAX would otherwise *sum* the cotangent over the axes the probe is
+  invariant along, as it does for parameters; an amax must be max-reduced.
+  """
+  have = _varying_axes(amax)
+  if have - axes:
+    amax = lax.pmax(amax, _sorted_axes(have - axes))
+  return _vary(amax, axes - have)
+
+
+def _operand_cotangent(g, operand, other, dims, operand_is_lhs):
+  """Transpose of ``operand -> dot_general`` (the other operand fixed), applied to g.
+
+  g's axes are [batch, lhs free, rhs free]. Contracting g's axes that belong
+  to ``other`` with ``other``'s free axes leaves [batch, operand free, other's
+  contracting axes (in other's axis order)], which is permuted back to
+  ``operand``'s layout. fp32 result.
+  """
+  (lc, rc), (lb, rb) = dims
+  if not operand_is_lhs:
+    lc, rc, lb, rb = rc, lc, rb, lb
+  op_free = _free_axes(operand.ndim, lc, lb)
+  other_free = _free_axes(other.ndim, rc, rb)
+  nb, nf = len(lb), len(op_free)
+  first_other = nb + nf if operand_is_lhs else nb  # where other's free axes sit in g
+  g_other = tuple(range(first_other, first_other + len(other_free)))
+  # Result axes, named by the operand axis each one becomes.
+  order = [*lb, *op_free, *(lc[rc.index(a)] for a in sorted(rc))]
+  dims = ((g_other, other_free), (tuple(range(nb)), rb))
+  out = _dot(g, other, dims, _result_sharding(operand, order))
+  return lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
+
+
+class _DotSpec(NamedTuple):
+  """The static (hashable) part of one fp8 matmul."""
+
+  dims: tuple
+  fwd_dtype: np.dtype
+  bwd_dtype: np.dtype
+  out_dtype: np.dtype
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  out_sharding: Any
+  probe_axes: frozenset  # the shard_map axes the amax probe varies over
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_dot(lhs, rhs, scales, probe, loss_scale, spec):
+  return _fp8_dot_fwd(lhs, rhs, scales, probe, loss_scale, spec)[0]
+
+
+def _fp8_dot_fwd(lhs, rhs, scales, probe, loss_scale, spec):
+  del probe  # only its cotangent matters
+  input_scale, kernel_scale, _ = scales
+  q_lhs = quantize(lhs, input_scale, spec.fwd_dtype)
+  q_rhs = quantize(rhs, kernel_scale, spec.fwd_dtype)
+  # fp8 x fp8 products are exact in fp32, so accumulating in fp32 and scaling
+  # once afterwards is the most accurate order (and the one fp8 GEMMs use).
+  out = _dot(q_lhs, q_rhs, spec.dims, spec.out_sharding)
+  out = (out * (input_scale * kernel_scale)).astype(spec.out_dtype)
+  # Residuals are the 1-byte quantized operands, not the 2-4 byte originals.
+  residuals = (q_lhs, q_rhs, scales, loss_scale, compute_amax(lhs), compute_amax(rhs))
+  return out, residuals
+
+
+def _fp8_dot_bwd(spec, residuals, g):
+  q_lhs, q_rhs, (input_scale, kernel_scale, grad_scale), loss_scale, lhs_amax, rhs_amax = residuals
+  # g carries the loss scale S. Quantizing with grad_scale * S gives the same
+  # fp8 values as unscaled training (exactly, for a power-of-two S), and the
+  # amax is recorded unscaled, so a change of S never moves the fp8 scales.
+  scale = grad_scale * loss_scale
+  grad_amax = compute_amax(g) / loss_scale
+  q_g = quantize(g, scale, spec.bwd_dtype)
+  d_lhs = _operand_cotangent(q_g, q_lhs, q_rhs, spec.dims, True) * (scale * kernel_scale)
+  d_rhs = _operand_cotangent(q_g, q_rhs, q_lhs, spec.dims, False) * (scale * input_scale)
+  observed = Fp8DotAmax(
+    *(_match_varying(a, spec.probe_axes) for a in (lhs_amax, rhs_amax, grad_amax))
+  )
+  return d_lhs.astype(spec.lhs_dtype), d_rhs.astype(spec.rhs_dtype), None, observed, None
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def _loss_scale_value(loss_scale: Any) -> jax.Array:
+  """A float32 scalar from None, a jmp_lite loss scale, or a number/array."""
+  if loss_scale is None:
+    return jnp.ones((), _F32)
+  value = getattr(loss_scale, "loss_scale", loss_scale)  # NoOp/Static/DynamicLossScale
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"loss_scale must be a positive number, got {value!r}.")
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.number) or value.shape != ():
+    raise TypeError(
+      f"loss_scale must be a scalar number or a jmp_lite loss scale, got {loss_scale!r}."
+    )
+  return value.astype(_F32)
+
+
+def _check_operand(x: Any, name: str) -> jax.Array:
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"fp8 {name} must be a floating-point array, got dtype {x.dtype}.")
+  if dtypes.is_float8(x.dtype):
+    raise ValueError(
+      f"fp8 {name} must be in 16 or 32 bits (it is quantized here with its scale), got {x.dtype}."
+    )
+  return x
+
+
+def _check_dot_state(state: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+  if not isinstance(state, Fp8DotState):
+    raise TypeError(
+      f"state must be an Fp8DotState (see init_dot_state), got {type(state).__name__}."
+    )
+  scales = []
+  for name, tensor in zip(Fp8DotState._fields, state, strict=True):
+    scale = jnp.asarray(tensor.scale, _F32)
+    if scale.shape != ():
+      raise ValueError(f"state.{name}.scale must be a scalar, got shape {scale.shape}.")
+    scales.append(scale)
+  return tuple(scales)
+
+
+def _check_probe(amax: Any) -> Fp8DotAmax:
+  if amax is None:
+    zero = jnp.zeros((), _F32)
+    return Fp8DotAmax(zero, zero, zero)
+  if not isinstance(amax, Fp8DotAmax):
+    raise TypeError(f"amax must be an Fp8DotAmax (see zeros_amax), got {type(amax).__name__}.")
+  return Fp8DotAmax(*(jnp.asarray(a, _F32) for a in amax))
+
+
+def dot_general(
+  lhs: jax.typing.ArrayLike,
+  rhs: jax.typing.ArrayLike,
+  dimension_numbers: Any,
+  state: Fp8DotState,
+  amax: Fp8DotAmax | None = None,
+  *,
+  config: Fp8Config | None = None,
+  loss_scale: Any = None,
+  precision: Any = None,
+  preferred_element_type: Any = None,
+  out_sharding: Any = None,
+) -> jax.Array:
+  """``lax.dot_general`` with fp8 operands and per-tensor delayed scaling.
+
+  Quantizes ``lhs`` (the input) and ``rhs`` (the kernel) to
+  ``config.fwd_dtype`` with ``state.input.scale`` and ``state.kernel.scale``,
+  multiplies with fp32 accumulation and rescales; the backward pass quantizes
+  the output gradient to ``config.bwd_dtype`` with ``state.output_grad.scale``
+  (see the module docstring for the math). The state is read, never written.
+
+  Args:
+    lhs, rhs, dimension_numbers: as in :func:`jax.lax.dot_general`; floating
+      operands in 16 or 32 bits.
+    state: this matmul's :class:`Fp8DotState`.
+    amax: a zero :class:`Fp8DotAmax` probe; differentiate with respect to it to
+      receive this step's observed amaxes. ``None`` observes nothing (eval).
+    config: the fp8 formats (``Fp8Config()`` by default).
+    loss_scale: the loss scale the gradients carry (a number, array, or
+      jmp_lite loss scale; default 1). The output gradient is quantized with
+      ``state.output_grad.scale * loss_scale`` and its amax recorded divided
+      by it, so fp8 scaling and loss scaling compose exactly.
+    precision: accepted for signature compatibility with ``lax.dot_general``
+      (Flax passes it) and ignored: products of fp8 values are exact in fp32.
+    preferred_element_type: output dtype (default: the promoted operand
+      dtype). Accumulation is fp32 regardless.
+    out_sharding: passed to the forward ``lax.dot_general``.
+
+  Returns:
+    The product, with gradients flowing to ``lhs`` and ``rhs`` (in their
+    dtypes) and the observations to ``amax``.
+
+  >>> state = init_dot_state(Fp8Config(amax_history_length=4))
+  >>> x, k = jnp.full((2, 3), 0.5), jnp.full((3, 2), 3.0)
+  >>> dot_general(x, k, (((1,), (0,)), ((), ())), state).tolist()
+  [[4.5, 4.5], [4.5, 4.5]]
+  """
+  del precision
+  config = _as_config(config)
+  lhs = _check_operand(lhs, "lhs")
+  rhs = _check_operand(rhs, "rhs")
+  dims = _canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
+  scales = _check_dot_state(state)
+  probe = _check_probe(amax)
+  if preferred_element_type is None:
+    out_dtype = jnp.result_type(lhs, rhs)
+  else:
+    out_dtype = np.dtype(preferred_element_type)
+  # Under shard_map the operands may vary over different mesh axes; like any
+  # JAX op the matmul works on their union (the cotangent of an operand that
+  # was invariant is then summed over the axes it was broadcast along).
+  axes = _varying_axes(lhs) | _varying_axes(rhs)
+  lhs, rhs = _vary(lhs, axes - _varying_axes(lhs)), _vary(rhs, axes - _varying_axes(rhs))
+  probe_axes = frozenset().union(*(_varying_axes(a) for a in probe))
+  probe = Fp8DotAmax(*(_vary(a, probe_axes - _varying_axes(a)) for a in probe))
+  spec = _DotSpec(
+    dims,
+    config.fwd_dtype,
+    config.bwd_dtype,
+    out_dtype,
+    lhs.dtype,
+    rhs.dtype,
+    out_sharding,
+    probe_axes,
+  )
+  return _fp8_dot(lhs, rhs, scales, probe, _loss_scale_value(loss_scale), spec)
+
+
+# -----------------------------------------------------------------------------
+# einsum
+
+
+def _einsum_subscripts(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> tuple[str, str, str]:
+  """Expands ``...`` and the implicit output; returns one letter per axis.
+
+  Ellipsis axes are right-aligned between the operands (NumPy broadcasting);
+  an implicit output is the ellipsis followed by the letters used exactly once,
+  sorted, as in NumPy.
+  """
+  if not isinstance(subscripts, str):
+    raise TypeError(f"subscripts must be a string such as 'bd,df->bf', got {subscripts!r}.")
+  eq = subscripts.replace(" ", "")
+  inputs, arrow, output = eq.partition("->")
+  operands = inputs.split(",")
+  if len(operands) != 2 or "->" in output:
+    raise ValueError(
+      f"fp8 einsum takes exactly two operands, e.g. 'bd,df->bf'; got {subscripts!r}."
+    )
+  for spec in (*operands, output):
+    letters = spec.replace("...", "", 1)
+    if not all(c in string.ascii_letters for c in letters):
+      raise ValueError(f"Invalid subscripts {spec!r} in {subscripts!r}: use letters and one '...'.")
+  spare = [c for c in string.ascii_letters if c not in eq]
+  counts = []
+  for spec, ndim, side in ((operands[0], lhs_ndim, "lhs"), (operands[1], rhs_ndim, "rhs")):
+    named = len(spec.replace("...", ""))
+    n_ellipsis = ndim - named if "..." in spec else 0
+    if n_ellipsis < 0 or ("..." not in spec and named != ndim):
+      raise ValueError(
+        f"Subscripts {spec!r} do not fit the {side} operand of rank {ndim} in {subscripts!r}."
+      )
+    counts.append(n_ellipsis)
+  ellipsis = "".join(spare[: max(counts)])
+  lhs, rhs = (
+    spec.replace("...", ellipsis[len(ellipsis) - n :])
+    for spec, n in zip(operands, counts, strict=True)
+  )
+  if arrow:
+    out = output.replace("...", ellipsis)
+  else:
+    uses = collections.Counter(operands[0].replace("...", "") + operands[1].replace("...", ""))
+    out = ellipsis + "".join(sorted(c for c, n in uses.items() if n == 1))
+  for spec, what in ((lhs, "lhs"), (rhs, "rhs"), (out, "output")):
+    if len(set(spec)) != len(spec):
+      raise ValueError(
+        f"Repeated index in the {what} of {subscripts!r}: fp8 einsum supports matmuls, "
+        "not diagonals or traces."
+      )
+  missing = set(out) - set(lhs) - set(rhs)
+  if missing:
+    raise ValueError(f"Output indices {sorted(missing)} of {subscripts!r} appear in no operand.")
+  return lhs, rhs, out
+
+
+class _EinsumPlan(NamedTuple):
+  lhs_sum: tuple[int, ...]
+  rhs_sum: tuple[int, ...]
+  dims: tuple
+  perm: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _einsum_plan(subscripts: str, lhs_shape: tuple, rhs_shape: tuple) -> _EinsumPlan:
+  lhs, rhs, out = _einsum_subscripts(subscripts, len(lhs_shape), len(rhs_shape))
+  for c in set(lhs) & set(rhs):
+    if lhs_shape[lhs.index(c)] != rhs_shape[rhs.index(c)]:
+      raise ValueError(
+        f"Index {c!r} of {subscripts!r} has size {lhs_shape[lhs.index(c)]} in lhs and "
+        f"{rhs_shape[rhs.index(c)]} in rhs."
+      )
+  # Indices only one operand has and the output drops are summed before the
+  # matmul (as jnp.einsum does); the fp8 "input" is then the summed operand.
+  lhs_sum = tuple(i for i, c in enumerate(lhs) if c not in rhs and c not in out)
+  rhs_sum = tuple(i for i, c in enumerate(rhs) if c not in lhs and c not in out)
+  lhs = "".join(c for i, c in enumerate(lhs) if i not in lhs_sum)
+  rhs = "".join(c for i, c in enumerate(rhs) if i not in rhs_sum)
+  contract = [c for c in lhs if c in rhs and c not in out]
+  batch = [c for c in lhs if c in rhs and c in out]
+  dims = (
+    (tuple(lhs.index(c) for c in contract), tuple(rhs.index(c) for c in contract)),
+    (tuple(lhs.index(c) for c in batch), tuple(rhs.index(c) for c in batch)),
+  )
+  result = batch + [c for c in lhs if c not in rhs] + [c for c in rhs if c not in lhs]
+  return _EinsumPlan(lhs_sum, rhs_sum, dims, tuple(result.index(c) for c in out))
+
+
+def einsum(
+  subscripts: str,
+  lhs: jax.typing.ArrayLike,
+  rhs: jax.typing.ArrayLike,
+  state: Fp8DotState,
+  amax: Fp8DotAmax | None = None,
+  *,
+  config: Fp8Config | None = None,
+  loss_scale: Any = None,
+  precision: Any = None,
+  preferred_element_type: Any = None,
+  out_sharding: Any = None,
+) -> jax.Array:
+  """A two-operand einsum computed by one fp8 :func:`dot_general`.
+
+  ``lhs`` is the input and ``rhs`` the kernel for the state's naming. Supports
+  contractions, batch indices, outer products, ``...`` and the implicit output
+  form; indices repeated within one operand (diagonals) are rejected.
+  The other arguments are as in :func:`dot_general`.
+
+  >>> state = init_dot_state(Fp8Config(amax_history_length=4))
+  >>> x, k = jnp.ones((2, 3, 4)), jnp.full((4, 5), 0.25)
+  >>> einsum("btd,df->bft", x, k, state).shape
+  (2, 5, 3)
+  """
+  lhs = _check_operand(lhs, "lhs")
+  rhs = _check_operand(rhs, "rhs")
+  plan = _einsum_plan(subscripts, tuple(lhs.shape), tuple(rhs.shape))
+  if plan.lhs_sum:
+    lhs = jnp.sum(lhs, axis=plan.lhs_sum, dtype=lhs.dtype)
+  if plan.rhs_sum:
+    rhs = jnp.sum(rhs, axis=plan.rhs_sum, dtype=rhs.dtype)
+  transposed = plan.perm != tuple(range(len(plan.perm)))
+  out = dot_general(
+    lhs,
+    rhs,
+    plan.dims,
+    state,
+    amax,
+    config=config,
+    loss_scale=loss_scale,
+    precision=precision,
+    preferred_element_type=preferred_element_type,
+    out_sharding=None if transposed else out_sharding,
+  )
+  if not transposed:
+    return out
+  out = lax.transpose(out, plan.perm)
+  if out_sharding is not None:
+    out = jax.sharding.reshard(out, out_sharding)
+  return out
+
+
+# -----------------------------------------------------------------------------
+# Policy spelling
+
+
+_RECIPES = {
+  "hybrid": (E4M3, E5M2),
+  "e4m3": (E4M3, E4M3),
+  "e5m2": (E5M2, E5M2),
+}
+
+
+def _recipe_name(config: Fp8Config) -> str:
+  for name, formats in _RECIPES.items():
+    if formats == (config.fwd_dtype, config.bwd_dtype):
+      return name
+  return f"{dtypes.dtype_name(config.fwd_dtype)}/{dtypes.dtype_name(config.bwd_dtype)}"
+
+
+def _parse_recipe(value: str, spec: str) -> tuple[np.dtype, np.dtype] | None:
+  value = value.strip().lower()
+  if value in ("none", "off"):
+    return None
+  if value in _RECIPES:
+    return _RECIPES[value]
+  fwd, sep, bwd = value.partition("/")
+  if sep:
+    try:
+      return (_as_fp8_dtype(fwd.strip(), "fp8 forward format"),
+              _as_fp8_dtype(bwd.strip(), "fp8 backward format"))  # fmt: skip
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"In policy {spec!r}: {e}") from e
+  raise ValueError(
+    f"Unknown fp8 recipe {value!r} in policy {spec!r}; expected hybrid (e4m3 forward, e5m2 "
+    "backward), e4m3, e5m2, none, or forward/backward formats such as f8e4m3/f8e5m2."
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Policy:
+  """A precision policy plus fp8 matmuls (hashable, jit-static).
+
+  Attributes:
+    policy: the dtypes of everything that is not an fp8 matmul (its compute
+      dtype is never fp8).
+    config: the fp8 recipe for matmuls, or ``None`` for no fp8.
+
+  ``str(p)`` spells it back, e.g. ``"p=f32,c=bf16,o=f32,fp8=hybrid"``; only the
+  formats are spelled, the history length, algorithm and margin are not.
+  """
+
+  policy: policy_lib.Policy
+  config: Fp8Config | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.policy, policy_lib.Policy):
+      raise TypeError(f"policy must be a jmp_lite Policy, got {type(self.policy).__name__}.")
+    if dtypes.is_float8(self.policy.compute_dtype):
+      raise ValueError(
+        f"Fp8Policy.policy has compute dtype {self.policy.compute_dtype.name}; use a 16/32-bit "
+        "compute dtype for non-matmul ops and put the fp8 recipe in config."
+      )
+    if self.config is not None:
+      _as_config(self.config)
+
+  def __str__(self) -> str:
+    if self.config is None:
+      return str(self.policy)
+    return f"{self.policy},fp8={_recipe_name(self.config)}"
+
+
+def get_fp8_policy(spec: str | policy_lib.Policy | Fp8Policy, **config_kwargs: Any) -> Fp8Policy:
+  """Parses a policy with fp8 matmuls.
+
+  Two spellings:
+
+  * jmp's grammar plus an ``fp8=`` key: ``"p=f32,c=bf16,o=f32,fp8=hybrid"``
+    runs Dense/DenseGeneral/Einsum matmuls in fp8 (E4M3 forward, E5M2
+    backward) and everything else as ``p=f32,c=bf16,o=f32``. Recipes:
+    ``hybrid``, ``e4m3``, ``e5m2``, ``none``, or ``<fwd>/<bwd>`` dtype names.
+    ``"fp8=hybrid"`` alone keeps everything else in float32.
+  * an fp8 compute dtype, which :func:`jmp_lite.get_policy` already accepts:
+    ``"p=f32,c=f8e4m3"`` means fp8 matmuls with that forward format (E5M2
+    backward for E4M3) and everything else in the param dtype.
+
+  Args:
+    spec: the string, a :class:`jmp_lite.Policy`, or an :class:`Fp8Policy`
+      (returned as is when no ``config_kwargs`` are given).
+    **config_kwargs: further :class:`Fp8Config` fields (``amax_history_length``,
+      ``amax_compute_algo``, ``margin``).
+
+  >>> str(get_fp8_policy("params=float32, compute=bfloat16, output=float32, fp8=hybrid"))
+  'p=f32,c=bf16,o=f32,fp8=hybrid'
+  >>> str(get_fp8_policy("p=f32,c=f8e4m3"))
+  'p=f32,c=f32,o=f32,fp8=hybrid'
+  """
+  if isinstance(spec, Fp8Policy):
+    if not config_kwargs:
+      return spec
+    if spec.config is None:
+      raise ValueError(f"fp8 options {sorted(config_kwargs)} given for a policy without fp8.")
+    return dataclasses.replace(spec, config=dataclasses.replace(spec.config, **config_kwargs))
+  recipe: tuple[np.dtype, np.dtype] | None = None
+  if isinstance(spec, policy_lib.Policy):
+    base = spec
+  elif isinstance(spec, str):
+    parts, fp8_values = [], []
+    for part in spec.split(","):
+      key, sep, value = part.partition("=")
+      if sep and key.strip().lower() == "fp8":
+        fp8_values.append(value)
+      else:
+        parts.append(part)
+    if len(fp8_values) > 1:
+      raise ValueError(f"Key 'fp8' given twice in policy {spec!r}.")
+    if fp8_values:
+      recipe = _parse_recipe(fp8_values[0], spec)
+    rest = ",".join(parts)
+    base = policy_lib.get_policy(rest) if rest.strip() else policy_lib.Policy("f32", "f32", "f32")
+  else:
+    raise TypeError(
+      "get_fp8_policy expects a string such as 'p=f32,c=bf16,o=f32,fp8=hybrid', a Policy or an "
+      f"Fp8Policy, got {spec!r} of type {type(spec).__name__}."
+    )
+  if dtypes.is_float8(base.compute_dtype):
+    if recipe is not None:
+      raise ValueError(
+        f"Policy {spec!r} gives both an fp8 compute dtype and an fp8= recipe; use one of them."
+      )
+    fwd = _as_fp8_dtype(base.compute_dtype, "compute dtype")
+    recipe = (fwd, E5M2)
+    base = policy_lib.Policy(base.param_dtype, base.param_dtype, base.output_dtype)
+  if recipe is None:
+    if config_kwargs:
+      raise ValueError(f"fp8 options {sorted(config_kwargs)} given for a policy without fp8.")
+    return Fp8Policy(base, None)
+  return Fp8Policy(base, Fp8Config(recipe[0], recipe[1], **config_kwargs))
+
+
+__all__ = (
+  "AMAX_COMPUTE_ALGOS",
+  "E4M3",
+  "E5M2",
+  "Fp8Config",
+  "Fp8DotAmax",
+  "Fp8DotState",
+  "Fp8Policy",
+  "Fp8ScaleState",
+  "combine_amax",
+  "compute_amax",
+  "compute_scale",
+  "dequantize",
+  "dot_general",
+  "einsum",
+  "get_fp8_policy",
+  "init_dot_state",
+  "init_scale_state",
+  "quantize",
+  "quantize_dequantize",
+  "reduce_amax",
+  "update",
+  "update_scale",
+  "zeros_amax",
+)

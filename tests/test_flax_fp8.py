@@ -1,0 +1,512 @@
+"""fp8 for Flax layers (linen and NNX), and agreement with flax.linen.fp8_ops."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.linen import fp8_ops
+
+import jmp_lite as jl
+from jmp_lite import flax_fp8, fp8
+
+CONFIG = fp8.Fp8Config(amax_history_length=4)
+DENSE = (((1,), (0,)), ((), ()))
+
+
+class Layers(nn.Module):
+  """One of each layer, each applied to its own input, returning every output."""
+
+  @nn.compact
+  def __call__(self, x):
+    return {
+      "dense": nn.Dense(5, name="dense")(x),
+      "general": nn.DenseGeneral((2, 3), name="general")(x),
+      "einsum": nn.Einsum((4, 2, 3), "bd,dhf->bhf", name="einsum")(x),
+      # A user-chosen matmul is left alone.
+      "own": nn.Dense(5, dot_general=jax.lax.dot_general, name="own")(x),
+    }
+
+
+def inputs(seed=0, shape=(6, 4)):
+  # NumPy, not jax.random: eager jax.random compiles op by op, seconds on a busy CPU.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * 2, jnp.float32)
+
+
+def linen_init(model, x, fp8_spec=CONFIG):
+  def init(x):
+    with flax_fp8.linen_fp8(fp8_spec):
+      return model.init(jax.random.key(0), x)
+
+  return jax.jit(init)(x)  # one compiled program: faster than op-by-op on CPU
+
+
+def linen_init_shapes(model, x, fp8_spec=CONFIG):
+  """The variables' shapes only (nothing is compiled)."""
+
+  def init(x):
+    with flax_fp8.linen_fp8(fp8_spec):
+      return model.init(jax.random.key(0), x)
+
+  return jax.eval_shape(init, x)
+
+
+def materialize(shapes, seed=0):
+  """Variables for the shapes of an init (nothing compiled): random parameters (biases
+  too, so the tests see them added) and the initial fp8 state (scale 1, zero history)."""
+  rng = np.random.default_rng(seed)
+
+  def fill(path, leaf):
+    key = jax.tree_util.keystr(path)
+    if "amax_history" in key:
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    if "scale" in key:
+      return jnp.ones(leaf.shape, leaf.dtype)
+    return jnp.asarray(rng.standard_normal(leaf.shape) * 0.3, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+@functools.cache
+def layers_variables():
+  """Variables of the Layers model on inputs(), made once for the file."""
+  return materialize(linen_init_shapes(Layers(), inputs()))
+
+
+# linen ---------------------------------------------------------------------------------
+
+
+def test_linen_interception_creates_state_and_keeps_params():
+  x = inputs()
+
+  @jax.jit
+  def both(x):
+    with flax_fp8.linen_fp8(CONFIG):
+      ours = Layers().init(jax.random.key(0), x)
+    return ours, Layers().init(jax.random.key(0), x)
+
+  variables, plain = both(x)
+  # The same parameters (names, shapes, initial values) as the plain model.
+  assert jax.tree.structure(variables["params"]) == jax.tree.structure(plain["params"])
+  jax.tree.map(np.testing.assert_array_equal, variables["params"], plain["params"])
+  state = variables[flax_fp8.STATE_COLLECTION]
+  assert set(state) == {"dense", "general", "einsum"}  # not the layer with its own matmul
+  for layer in state.values():
+    assert isinstance(layer[flax_fp8.VARIABLE_NAME], fp8.Fp8DotState)
+    assert layer[flax_fp8.VARIABLE_NAME].input.amax_history.shape == (4,)
+
+
+@jax.jit
+def linen_outputs_and_observations(variables, x):
+  params, state = variables["params"], variables[flax_fp8.STATE_COLLECTION]
+
+  def loss(params, amax):
+    with flax_fp8.linen_fp8(CONFIG):
+      out = Layers().apply({"params": params, "fp8_state": state, "fp8_amax": amax}, x)
+    return sum(jnp.sum(v * (i + 1)) for i, v in enumerate(out.values())), out
+
+  (grads, amax), out = jax.grad(loss, argnums=(0, 1), has_aux=True)(params, fp8.zeros_amax(state))
+  return out, grads, amax
+
+
+def test_linen_layers_compute_the_fp8_matmul():
+  x = inputs()
+  variables = dict(layers_variables())  # a copy: the cached one is shared
+  # Non-trivial scales, as after some training.
+  state = jax.tree.map(lambda s: s, variables["fp8_state"])
+  amax = jax.tree.map(lambda z: z + 3.0, fp8.zeros_amax(state))
+  variables["fp8_state"] = state = fp8.update(state, amax, CONFIG)
+  out, grads, observed = linen_outputs_and_observations(variables, x)
+  p = variables["params"]
+
+  def layer_state(name):
+    return state[name][flax_fp8.VARIABLE_NAME]
+
+  expected = {
+    "dense": fp8.dot_general(x, p["dense"]["kernel"], DENSE, layer_state("dense"))
+    + p["dense"]["bias"],
+    "general": fp8.dot_general(x, p["general"]["kernel"], DENSE, layer_state("general"))
+    + p["general"]["bias"],
+    "einsum": fp8.einsum("bd,dhf->bhf", x, p["einsum"]["kernel"], layer_state("einsum"))
+    + p["einsum"]["bias"][None],
+    "own": x @ p["own"]["kernel"] + p["own"]["bias"],
+  }
+  for name in expected:  # equal up to the last bit (XLA may fuse the rescale and bias add)
+    np.testing.assert_allclose(out[name], expected[name], rtol=1e-6, atol=1e-6, err_msg=name)
+  # Every fp8 layer observed its input and kernel amax and its output gradient (i + 1).
+  for i, name in enumerate(["dense", "general", "einsum"]):
+    obs = observed[name][flax_fp8.VARIABLE_NAME]
+    assert float(obs.input) == float(jnp.abs(x).max())
+    assert float(obs.kernel) == float(jnp.abs(p[name]["kernel"]).max())
+    assert float(obs.output_grad) == i + 1
+  assert set(grads) == set(p)
+
+
+def test_linen_apply_needs_the_state_but_not_the_probes():
+  x = inputs()
+  variables = layers_variables()
+  with flax_fp8.linen_fp8(CONFIG):
+    out = Layers().apply(variables, x)  # evaluation: no probes, nothing observed
+    assert out["dense"].shape == (6, 5)
+    with pytest.raises(ValueError, match="dense runs in fp8 but has no 'fp8_state'"):
+      Layers().apply({"params": variables["params"]}, x)
+    # With a mutable collection, apply creates the state (e.g. for a model built later).
+    _, created = Layers().apply({"params": variables["params"]}, x, mutable=["fp8_state"])
+  assert set(created["fp8_state"]) == {"dense", "general", "einsum"}
+
+
+def test_linen_interceptor_composes_with_an_inner_interceptor():
+  """An interceptor registered inside (e.g. a precision policy's casts) sees every call."""
+  seen = []
+
+  def double_inputs(next_fun, args, kwargs, context):
+    if context.method_name == "__call__" and context.module.path:
+      seen.append((context.module.path[-1], type(context.module).__name__))
+      args = jax.tree.map(lambda a: a * 2, args)
+    return next_fun(*args, **kwargs)
+
+  @jax.jit
+  def apply_both(variables, x):
+    with flax_fp8.linen_fp8(CONFIG):
+      plain = Layers().apply(variables, x)
+      with nn.intercept_methods(double_inputs):
+        return Layers().apply(variables, x), plain
+
+  out, plain = apply_both(layers_variables(), inputs())
+  assert sorted(seen) == [
+    ("dense", "Dense"),
+    ("einsum", "_LinenFp8Einsum"),
+    ("general", "DenseGeneral"),
+    ("own", "Dense"),
+  ]
+  p = layers_variables()["params"]
+  for name in ("dense", "general", "einsum"):  # the doubled inputs reached the fp8 matmuls
+    bias = p[name]["bias"]
+    np.testing.assert_allclose(out[name] - bias, 2 * (plain[name] - bias), rtol=0.2, atol=0.05)
+
+
+def test_linen_einsum_bias_shapes_and_errors_match_flax():
+  def ours(layer, x):
+    with flax_fp8.linen_fp8(CONFIG):
+      variables = layer.init(jax.random.key(0), x)
+      return variables, layer.apply(variables, x)
+
+  for eq, kernel_shape, x_shape in [
+    ("bhd,hdf->bhf", (2, 4, 3), (5, 2, 4)),
+    ("...d,df->...f", (4, 3), (2, 5, 4)),
+    ("btd,dnh->btnh", (4, 2, 3), (2, 5, 4)),
+  ]:
+    x = jax.ShapeDtypeStruct(x_shape, jnp.float32)  # shapes only: nothing is compiled
+    layer = nn.Einsum(kernel_shape, eq)
+    plain = jax.eval_shape(layer.init, jax.random.key(0), x)
+    variables, y = jax.eval_shape(functools.partial(ours, layer), x)
+    assert variables["params"] == plain["params"]
+    assert y == jax.eval_shape(layer.apply, plain, x)
+  with flax_fp8.linen_fp8(CONFIG), pytest.raises(ValueError, match="must be explicit"):
+    nn.Einsum((4, 3), "bd,df").init(jax.random.key(0), inputs())
+
+
+def test_linen_scan_over_layers_stacks_state_and_probes():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return jnp.tanh(nn.Dense(4)(h)), None
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      axes = {"params": 0, flax_fp8.STATE_COLLECTION: 0, flax_fp8.AMAX_COLLECTION: 0}
+      scan = nn.scan(Block, variable_axes=axes, split_rngs={"params": True}, length=3)
+      return scan()(x, None)[0]
+
+  x = inputs()
+  variables = linen_init(Stack(), x)
+  state = variables["fp8_state"]
+  dot = jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, fp8.Fp8DotState))[0]
+  assert dot.input.scale.shape == (3,) and dot.input.amax_history.shape == (3, 4)
+
+  @jax.jit
+  def step(params, state):
+    def loss(params, amax):
+      with flax_fp8.linen_fp8(CONFIG):
+        out = Stack().apply({"params": params, "fp8_state": state, "fp8_amax": amax}, x)
+      return jnp.sum(out)
+
+    amax = jax.grad(loss, argnums=1)(params, fp8.zeros_amax(state))
+    return amax, fp8.update(state, amax, CONFIG)
+
+  amax, new_state = step(variables["params"], state)
+  obs = jax.tree.leaves(amax, is_leaf=lambda s: isinstance(s, fp8.Fp8DotAmax))[0]
+  assert obs.input.shape == (3,)
+  assert float(obs.input[0]) == float(jnp.abs(x).max())  # layer 0 saw x, the others tanh(...)
+  assert float(obs.input[1]) <= 1.0 and float(obs.input[2]) <= 1.0
+  new = jax.tree.leaves(new_state, is_leaf=lambda s: isinstance(s, fp8.Fp8DotState))[0]
+  np.testing.assert_allclose(new.input.scale, obs.input / 448, rtol=1e-6)
+
+
+def test_linen_explicit_dot_general_injection_equals_interception():
+  x = inputs()
+  dense = nn.Dense(5, dot_general_cls=functools.partial(flax_fp8.LinenFp8DotGeneral, config=CONFIG))
+  injected = dense.init(jax.random.key(0), x)
+  (state,) = jax.tree.leaves(
+    injected["fp8_state"], is_leaf=lambda s: isinstance(s, fp8.Fp8DotState)
+  )
+  assert "LinenFp8DotGeneral_0" in injected["fp8_state"]
+  state = fp8.update(state, fp8.Fp8DotAmax(*[jnp.float32(5.0)] * 3), CONFIG)
+  injected["fp8_state"] = {"LinenFp8DotGeneral_0": {"fp8_dot": state}}
+  with flax_fp8.linen_fp8(CONFIG):  # interception leaves a layer with its own matmul alone
+    y = dense.apply(injected, x)
+  p = injected["params"]
+  np.testing.assert_array_equal(y, fp8.dot_general(x, p["kernel"], DENSE, state) + p["bias"])
+
+
+def test_linen_fp8_policy_spellings():
+  x = inputs()
+  off = linen_init_shapes(Layers(), x, "p=f32,c=f32,o=f32,fp8=none")
+  assert "fp8_state" not in off
+  on = linen_init_shapes(Layers(), x, fp8.get_fp8_policy("p=f32,c=f32,o=f32,fp8=hybrid"))
+  assert set(on["fp8_state"]) == {"dense", "general", "einsum"}
+  # The fp8 compute dtype spelling, which jmp_lite.get_policy parses, works too.
+  spelled = linen_init_shapes(Layers(), x, "p=f32,c=f8e4m3")
+  assert set(spelled["fp8_state"]) == set(on["fp8_state"])
+  with pytest.raises(TypeError, match="Expected an Fp8Config"):
+    flax_fp8.linen_interceptor(3)
+
+
+# NNX -----------------------------------------------------------------------------------
+
+
+class NnxLayers(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(4, 5, rngs=rngs)
+    self.general = nnx.LinearGeneral(4, (2, 3), rngs=rngs)
+    self.einsum = nnx.Einsum("bd,dhf->bhf", (4, 2, 3), (2, 3), rngs=rngs)
+    self.own = nnx.Linear(4, 5, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k), rngs=rngs)
+
+  def __call__(self, x):
+    return {name: getattr(self, name)(x) for name in ("dense", "general", "einsum", "own")}
+
+
+def nnx_like_linen(variables):
+  """An fp8 NNX model with the linen model's parameters."""
+  model = flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), CONFIG)
+  for name, layer_params in variables["params"].items():
+    layer = getattr(model, name)
+    layer.kernel.set_value(layer_params["kernel"])
+    layer.bias.set_value(layer_params["bias"])
+  return model
+
+
+def nnx_loss(model, x):
+  return sum(jnp.sum(v * (i + 1)) for i, v in enumerate(model(x).values()))
+
+
+def test_nnx_fp8_installs_ops_and_matches_linen():
+  x = inputs()
+  variables = layers_variables()
+  model = nnx_like_linen(variables)
+  assert isinstance(model.dense.dot_general, flax_fp8.NnxFp8DotGeneral)
+  assert isinstance(model.general.dot_general, flax_fp8.NnxFp8DotGeneral)
+  assert isinstance(model.einsum.einsum_op, flax_fp8.NnxFp8Einsum)
+  assert not isinstance(model.own.dot_general, flax_fp8.NnxFp8DotGeneral)
+  assert flax_fp8.nnx_fp8(model, CONFIG) is model  # idempotent
+  assert isinstance(model.dense.dot_general, flax_fp8.NnxFp8DotGeneral)
+  linen_out, linen_grads, linen_amax = linen_outputs_and_observations(variables, x)
+  nnx_out = model(x)
+  for name in linen_out:
+    np.testing.assert_array_equal(nnx_out[name], linen_out[name], err_msg=name)
+
+  @nnx.jit
+  def step(model, x):
+    return flax_fp8.nnx_value_and_grad(nnx_loss)(model, x)
+
+  _, grads = step(model, x)
+  assert not nnx.state(grads, flax_fp8.Fp8Amax)  # only parameter gradients come back
+  for name in ("dense", "general", "einsum", "own"):
+    for param in ("kernel", "bias"):
+      np.testing.assert_array_equal(
+        grads[name][param].get_value(), linen_grads[name][param], err_msg=f"{name}.{param}"
+      )
+  # The observations were folded into the state in place, like fp8.update on linen's.
+  expected = fp8.update(variables["fp8_state"], linen_amax, CONFIG)
+  for name, op in (("dense", model.dense.dot_general), ("einsum", model.einsum.einsum_op)):
+    jax.tree.map(  # computed by two programs: equal up to the last bit
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+      op.dot_state,
+      expected[name][flax_fp8.VARIABLE_NAME],
+    )
+    assert all(float(a) == 0 for a in op.amax)  # probes reset
+
+
+def test_nnx_value_and_grad_with_loss_scale():
+  x = inputs()
+  plain, scaled = (nnx_like_linen(layers_variables()) for _ in range(2))
+
+  @nnx.jit(static_argnums=2)
+  def step(model, x, loss_scale):
+    fn = flax_fp8.nnx_value_and_grad(
+      nnx_loss, has_aux=False, loss_scale=None if loss_scale is None else 2.0**loss_scale
+    )
+    return fn(model, x)
+
+  value, grads = step(plain, x, None)
+  scaled_value, scaled_grads = step(scaled, x, 12)
+  assert float(scaled_value) == float(value)  # the value comes back unscaled
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a * 2.0**12, b), grads, scaled_grads)
+  # The fp8 state is the same: the output-gradient amax was recorded unscaled.
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    nnx.state(plain, flax_fp8.Fp8State),
+    nnx.state(scaled, flax_fp8.Fp8State),
+  )
+
+
+def test_nnx_fp8_leaves_other_models_and_optimizers_alone():
+  with pytest.raises(ValueError, match=r"no nnx\.Linear, nnx\.LinearGeneral or nnx\.Einsum"):
+    flax_fp8.nnx_fp8(nnx.Sequential(nnx.BatchNorm(3, rngs=nnx.Rngs(0))), CONFIG)
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  assert flax_fp8.nnx_fp8(model, "p=f32,fp8=none") is model
+  assert model.dot_general is jax.lax.dot_general
+  flax_fp8.nnx_fp8(model, CONFIG)
+  # fp8 state is not a parameter: optimizers built on nnx.Param ignore it.
+  assert len(jax.tree.leaves(nnx.state(model, nnx.Param))) == 2
+  assert len(jax.tree.leaves(nnx.state(model, flax_fp8.Fp8State))) == 6
+  assert len(jax.tree.leaves(nnx.state(model, flax_fp8.Fp8Amax))) == 3
+
+
+# Agreement with flax.linen.fp8_ops -------------------------------------------------------
+
+# Power-of-two scales: Flax stores a scale s and recomputes it as 1 / (1 / s) when its
+# history holds no amax, which is exact only for powers of two.
+SCALES = {"input": 2.0**-3, "kernel": 2.0**-9, "output_grad": 2.0**-6}
+
+
+class FlaxDense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    op = functools.partial(fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=4)
+    return nn.Dense(8, dot_general_cls=op, name="dense")(x)
+
+
+def flax_variables(x, scales):
+  variables = materialize(jax.eval_shape(FlaxDense().init, jax.random.key(0), x))
+  owg = variables[fp8_ops.OVERWRITE_WITH_GRADIENT]["dense"]["Fp8DirectDotGeneralOp_0"]
+  for name, scale in scales.items():
+    owg[f"{name}_scale"] = jnp.full((1,), scale, jnp.float32)
+  return variables
+
+
+def our_state(scales):
+  state = fp8.init_dot_state(CONFIG)
+  return fp8.Fp8DotState(
+    *(
+      t._replace(scale=jnp.float32(scales[name]))
+      for name, t in zip(state._fields, state, strict=True)
+    )
+  )
+
+
+def flax_step(variables, x, g):
+  """Output, gradients (x, params) and Flax's new fp8 variables."""
+
+  def f(x, params, owg):
+    return FlaxDense().apply({"params": params, fp8_ops.OVERWRITE_WITH_GRADIENT: owg}, x)
+
+  y, vjp = jax.vjp(f, x, variables["params"], variables[fp8_ops.OVERWRITE_WITH_GRADIENT])
+  dx, dparams, new_owg = vjp(g)
+  return y, dx, dparams, new_owg
+
+
+def our_step(variables, state, x, g):
+  params = variables["params"]["dense"]
+
+  def f(x, kernel, bias, amax):
+    return fp8.dot_general(x, kernel, DENSE, state, amax, config=CONFIG) + bias
+
+  y, vjp = jax.vjp(f, x, params["kernel"], params["bias"], fp8.zeros_amax(state))
+  dx, dk, db, amax = vjp(g)
+  return y, dx, {"dense": {"kernel": dk, "bias": db}}, fp8.update(state, amax, CONFIG)
+
+
+def test_same_scales_give_the_same_quantized_result_as_flax():
+  x = inputs(1, (6, 16)) * 3
+  g = inputs(2, (6, 8)) * 0.1
+  variables = flax_variables(x, SCALES)
+  state = our_state(SCALES)
+  y_flax, dx_flax, dp_flax, _ = jax.jit(flax_step)(variables, x, g)
+  y, dx, dp, _ = jax.jit(our_step)(variables, state, x, g)
+  np.testing.assert_array_equal(y, y_flax)
+  np.testing.assert_array_equal(dx, dx_flax)
+  jax.tree.map(np.testing.assert_array_equal, dp, dp_flax)
+  # And the result really is quantized: it differs from the float32 layer.
+  p = variables["params"]["dense"]
+  assert np.abs(y - (x @ p["kernel"] + p["bias"])).max() > 1e-3
+
+
+def test_delayed_scaling_trajectory_matches_flax():
+  """Same data each step: both libraries pick the same scales and outputs."""
+  variables = flax_variables(inputs(1, (6, 16)), {})
+  state = fp8.init_dot_state(CONFIG)
+  flax_jit, our_jit = jax.jit(flax_step), jax.jit(our_step)
+  for step in range(4):
+    x = inputs(10 + step, (6, 16)) * (step + 1)  # a growing input range
+    g = inputs(20 + step, (6, 8)) * 10.0**-step  # a shrinking gradient range
+    y_flax, dx_flax, _, owg = flax_jit(variables, x, g)
+    y, dx, _, state = our_jit(variables, state, x, g)
+    np.testing.assert_allclose(y, y_flax, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx, dx_flax, rtol=1e-6, atol=1e-9)
+    variables = {**variables, fp8_ops.OVERWRITE_WITH_GRADIENT: owg}
+    ours = owg["dense"]["Fp8DirectDotGeneralOp_0"]
+    # Flax's stored scale is the one it used this step; ours is the next step's. Compare
+    # Flax's with the scale our state would derive from the same history one step later.
+    for name, tensor in zip(state._fields, state, strict=True):
+      flax_next = fp8_ops.compute_scale(
+        jnp.max(ours[f"{name}_amax_history"]), ours[f"{name}_scale"], fp8_max(name)
+      )
+      np.testing.assert_allclose(tensor.scale, flax_next[0], rtol=1e-6, err_msg=name)
+      np.testing.assert_array_equal(
+        np.sort(tensor.amax_history), np.sort(ours[f"{name}_amax_history"])
+      )
+
+
+def fp8_max(name):
+  dtype = CONFIG.bwd_dtype if name == "output_grad" else CONFIG.fwd_dtype
+  return jl.FORMATS[dtype.name].max
+
+
+def test_einsum_agrees_with_flax_fp8_einsum():
+  class FlaxEinsum(nn.Module):
+    @nn.compact
+    def __call__(self, x, k):
+      return fp8_ops.Fp8Einsum(amax_history_length=4, name="op")("btd,dhf->bthf", x, k)
+
+  x, k = inputs(3, (2, 3, 8)), inputs(4, (8, 2, 4)) * 0.1
+  g = inputs(5, (2, 3, 2, 4))
+  variables = materialize(jax.eval_shape(FlaxEinsum().init, jax.random.key(0), x, k))
+  owg = variables[fp8_ops.OVERWRITE_WITH_GRADIENT]["op"]
+  for name, scale in SCALES.items():
+    owg[f"{name}_scale"] = jnp.full((1,), scale, jnp.float32)
+  state = our_state(SCALES)
+
+  @jax.jit
+  def both(x, k, g):
+    y_flax, vjp_flax = jax.vjp(lambda x, k: FlaxEinsum().apply(variables, x, k), x, k)
+    y, vjp = jax.vjp(lambda x, k: fp8.einsum("btd,dhf->bthf", x, k, state, config=CONFIG), x, k)
+    return (y, vjp(g)), (y_flax, vjp_flax(g))
+
+  ours, flax = both(x, k, g)
+  jax.tree.map(np.testing.assert_array_equal, ours, flax)
+
+
+def test_documented_difference_overflow_stays_visible():
+  """Flax clips inf to the fp8 maximum; jmp_lite keeps it, so loss scaling sees it."""
+  x = inputs(1, (6, 16)).at[0, 0].set(jnp.inf)
+  g = inputs(2, (6, 8))
+  variables = flax_variables(x, SCALES)
+  y_flax, *_ = jax.jit(flax_step)(variables, x, g)
+  y, *_ = jax.jit(our_step)(variables, our_state(SCALES), x, g)
+  assert np.isfinite(y_flax).all()
+  assert not np.isfinite(y[0]).any() and np.isfinite(y[1:]).all()
