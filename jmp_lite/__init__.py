@@ -5,7 +5,7 @@ bugs fixed, plus Optax loss-scaling transformations, layer-wise adaptive loss
 scaling and Flax integration.
 """
 
-from jmp_lite import fp8
+from jmp_lite import flax, fp8
 from jmp_lite.audit import AuditConfig, AuditReport, Finding, SourceLocation, audit, audit_jaxpr
 from jmp_lite.diagnostics import (
   Culprit,
@@ -87,6 +87,7 @@ __all__ = (
   "cast_to_full",
   "cast_to_half",
   "every_n_steps",
+  "flax",
   "format_info",
   "fp8",
   "get_fp8_policy",

@@ -1,0 +1,54 @@
+"""Mixed precision for Flax: apply a precision policy to linen and NNX models from outside.
+
+* :func:`policy_apply` / :func:`policy_init`: a linen model's ``apply`` /
+  ``init`` under a policy, via :func:`flax.linen.intercept_methods`.
+* :func:`policy_view`: a low-precision view of an NNX model for the forward pass.
+* :class:`ModulePolicy`, :class:`ModulePolicies`, :data:`DEFAULT_OVERRIDES`:
+  per-module-class overrides (normalization and embeddings keep fp32).
+* :func:`dot_general`, :func:`conv_general_dilated`, :func:`einsum`: 16-bit
+  matmuls and convolutions that accumulate in fp32, forward and backward.
+* :func:`dot_product_attention`, :func:`softmax`: attention with an fp32
+  softmax that keeps 16-bit residuals.
+* :class:`TrainState`, :class:`Optimizer`: Flax's training state and NNX
+  optimizer with loss scaling built in.
+* :func:`layerwise_stages`: stage boundaries for layer-wise loss scaling,
+  inserted by module class or for ``nn.Sequential`` children.
+"""
+
+from jmp_lite.flax.accumulate import conv_general_dilated, dot_general, einsum
+from jmp_lite.flax.attention import dot_product_attention, softmax
+from jmp_lite.flax.layerwise import LayerwiseStages, layerwise_stages
+from jmp_lite.flax.linen import policy_apply, policy_init
+from jmp_lite.flax.module_policy import (
+  DEFAULT_OVERRIDES,
+  FLAX_HOOKS,
+  FP32,
+  FP32_RECOMPUTED,
+  ModulePolicies,
+  ModulePolicy,
+)
+from jmp_lite.flax.nnx import PolicyModule, policy_view
+from jmp_lite.flax.optimizer import Optimizer
+from jmp_lite.flax.train_state import TrainState
+
+__all__ = (
+  "DEFAULT_OVERRIDES",
+  "FLAX_HOOKS",
+  "FP32",
+  "FP32_RECOMPUTED",
+  "LayerwiseStages",
+  "ModulePolicies",
+  "ModulePolicy",
+  "Optimizer",
+  "PolicyModule",
+  "TrainState",
+  "conv_general_dilated",
+  "dot_general",
+  "dot_product_attention",
+  "einsum",
+  "layerwise_stages",
+  "policy_apply",
+  "policy_init",
+  "policy_view",
+  "softmax",
+)

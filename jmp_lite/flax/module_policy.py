@@ -1,0 +1,442 @@
+"""Per-module-class precision: which dtype each kind of Flax module computes in.
+
+A :class:`~jmp_lite.Policy` says "parameters fp32, compute bf16, outputs
+fp32". Some layers must not follow it: normalization statistics (a variance
+of bf16 values is a difference of nearly equal large numbers) and embedding
+gradients (a scatter-add of many rows in bf16 drops the small ones). As with
+Haiku's per-module-class policies, :class:`ModulePolicies` maps module classes
+to a :class:`ModulePolicy`; a module uses the entry of its most specific
+class (first match along its MRO). A module whose class has no entry follows
+the closest enclosing module that has one, and the global policy at the top.
+
+Every module *call* under a policy then does:
+
+* floating inputs are cast to the module's compute dtype;
+* its own parameters are read in the module's compute dtype (they are stored,
+  and created, in the policy's param dtype);
+* floating outputs are cast to the module's output dtype: by default the
+  compute dtype of the module around it, so an fp32 island hands 16-bit
+  activations to the next layer, and the policy's output dtype for the
+  outermost call (e.g. fp32 logits for the loss);
+* an island marked ``recompute`` runs under :func:`jax.checkpoint`, storing
+  only its 16-bit inputs for the backward pass.
+
+On top of dtypes, Flax's built-in layers get 16-bit-friendly kernels in place
+of Flax's defaults, only where the layer still uses the default:
+fp32-accumulating ``dot_general``/``conv_general_dilated``/``einsum_op``
+(:mod:`jmp_lite.flax.accumulate`) and the fp32-softmax ``attention_fn``
+(:mod:`jmp_lite.flax.attention`); see :data:`FLAX_HOOKS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jmp_lite import dtypes
+from jmp_lite.flax import accumulate, attention
+from jmp_lite.policy import Policy, get_policy
+
+_F32 = np.dtype(jnp.float32)
+
+
+def _check_dtype(value: Any, name: str) -> np.dtype | None:
+  if value is None:
+    return None
+  dtype = dtypes.parse_dtype(value)
+  if dtypes.is_float8(dtype):
+    raise ValueError(
+      f"{name}={dtype.name}: fp8 needs per-tensor scaling, which a module policy does not "
+      "provide; use jmp_lite's fp8 matmuls for fp8 compute."
+    )
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePolicy:
+  """How the modules of one class run under a precision policy.
+
+  Attributes:
+    compute_dtype: dtype of the module's inputs and of its parameters as read
+      (and of its submodules without an override of their own); ``None``
+      means the policy's compute dtype.
+    output_dtype: dtype of its outputs; ``None`` means the compute dtype of
+      the enclosing module (the policy's compute dtype at the top, the
+      policy's output dtype for the outermost call), so that the next layer
+      receives activations in the dtype it computes in.
+    attributes: module attributes (dataclass fields in linen, attributes in
+      NNX) to set while the module runs, e.g. ``{"precision": "highest"}``.
+      They take precedence over jmp_lite's kernels (see
+      :class:`ModulePolicies`).
+    recompute: for an island (a compute dtype other than the enclosing one), run
+      the module under :func:`jax.checkpoint`: the backward pass recomputes
+      its forward from its inputs instead of keeping its wide intermediates.
+      A LayerNorm island otherwise keeps three fp32 copies of its input's size
+      (12 bytes per element, as much as in an fp32 model); recomputed, it
+      keeps only its 16-bit input (2 bytes), like a fused normalization
+      kernel. Only for modules that neither update variables nor draw random
+      numbers (normalization without running statistics); costs one more
+      forward pass of the module.
+
+  >>> ModulePolicy(compute_dtype="f32").compute_dtype
+  dtype('float32')
+  """
+
+  compute_dtype: np.dtype | None = None
+  output_dtype: np.dtype | None = None
+  attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  recompute: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "compute_dtype", _check_dtype(self.compute_dtype, "compute_dtype"))
+    object.__setattr__(self, "output_dtype", _check_dtype(self.output_dtype, "output_dtype"))
+    if not isinstance(self.attributes, Mapping):
+      raise TypeError(
+        f"attributes must be a mapping from attribute name to value, got {self.attributes!r}."
+      )
+    for name in self.attributes:
+      if not (isinstance(name, str) and name.isidentifier()):
+        raise TypeError(f"attribute names must be identifiers, got {name!r}.")
+    # Read-only and hashable, so that a ModulePolicy can be static (jit, NNX graphdef).
+    object.__setattr__(self, "attributes", types.MappingProxyType(dict(self.attributes)))
+    if not isinstance(self.recompute, (bool, np.bool_)):
+      raise TypeError(f"recompute must be a bool, got {self.recompute!r}.")
+
+  def _key(self):
+    return (self.compute_dtype, self.output_dtype, tuple(self.attributes.items()), self.recompute)
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __eq__(self, other):
+    if not isinstance(other, ModulePolicy):
+      return NotImplemented
+    return self._key() == other._key()
+
+
+FP32 = ModulePolicy(compute_dtype=_F32)
+"""Compute in fp32 (inputs and parameters), hand the result back in the compute dtype."""
+
+FP32_RECOMPUTED = ModulePolicy(compute_dtype=_F32, recompute=True)
+"""As :data:`FP32`, recomputed in the backward pass instead of storing fp32 intermediates."""
+
+DEFAULT_OVERRIDES: Mapping[type, ModulePolicy] = types.MappingProxyType(
+  {
+    # Normalization: mean/variance of 16-bit activations cancel catastrophically.
+    # Recomputed (cheap elementwise work) so the island stores only its 16-bit
+    # input; BatchNorm updates running statistics, so it stores its fp32
+    # intermediates instead.
+    nn.LayerNorm: FP32_RECOMPUTED,
+    nn.RMSNorm: FP32_RECOMPUTED,
+    nn.GroupNorm: FP32_RECOMPUTED,
+    nn.InstanceNorm: FP32_RECOMPUTED,
+    nn.BatchNorm: FP32,
+    nnx.LayerNorm: FP32_RECOMPUTED,
+    nnx.RMSNorm: FP32_RECOMPUTED,
+    nnx.GroupNorm: FP32_RECOMPUTED,
+    nnx.InstanceNorm: FP32_RECOMPUTED,
+    nnx.BatchNorm: FP32,
+    # Embeddings: a gather is exact in any dtype, so reading the fp32 table and
+    # rounding the gathered rows gives the same activations as a bf16 table,
+    # while the backward scatter-add of many rows accumulates in fp32 and no
+    # 16-bit copy of the table is made. (A tied ``attend`` then runs in fp32.)
+    nn.Embed: FP32,
+    nnx.Embed: FP32,
+  }
+)
+"""Module classes that keep fp32 under any policy unless overridden.
+
+Attention softmax and the loss are fp32 islands too, but not by class: the
+softmax through :func:`jmp_lite.flax.dot_product_attention`, which replaces
+the attention modules' default ``attention_fn``, and the loss because the
+model's output is cast to the policy's output dtype.
+"""
+
+
+class Hook(NamedTuple):
+  """A Flax attribute jmp_lite replaces when a layer computes in 16 bits.
+
+  ``attribute`` is set to ``replacement`` on modules of class ``cls`` whose
+  ``is_default(module)`` holds: a user's own kernel (say, a quantized
+  ``dot_general``) is never replaced.
+  """
+
+  cls: type
+  attribute: str
+  is_default: Callable[[Any], bool]
+  replacement: Any
+  kind: str  # "accumulation" or "softmax": which switch of ModulePolicies enables it
+
+
+def _default(attribute: str, jax_default: Any) -> Callable[[Any], bool]:
+  """Whether a layer still uses Flax's default kernel for ``attribute``.
+
+  Flax spells the default as ``None`` (linen, NNX ``LinearGeneral``) or as
+  the JAX function itself (NNX ``Linear``, ``Conv``, ``Einsum``); a
+  ``<attribute>_cls`` factory, where the layer has one, also overrides it.
+  """
+
+  def is_default(module: Any) -> bool:
+    value = getattr(module, attribute, None)
+    factory = getattr(module, f"{attribute}_cls", None)
+    return factory is None and (value is None or value is jax_default)
+
+  return is_default
+
+
+_DOT = ("dot_general", lax.dot_general, accumulate.dot_general, "accumulation")
+_CONV = (
+  "conv_general_dilated",
+  lax.conv_general_dilated,
+  accumulate.conv_general_dilated,
+  "accumulation",
+)
+
+
+def _hook(cls: type, attribute: str, jax_default: Any, replacement: Any, kind: str) -> Hook:
+  return Hook(cls, attribute, _default(attribute, jax_default), replacement, kind)
+
+
+FLAX_HOOKS: tuple[Hook, ...] = (
+  _hook(nn.Dense, *_DOT),
+  _hook(nn.DenseGeneral, *_DOT),
+  _hook(nn.Conv, *_CONV),
+  _hook(
+    nn.MultiHeadDotProductAttention,
+    "attention_fn",
+    nn.dot_product_attention,
+    attention.dot_product_attention,
+    "softmax",
+  ),
+  _hook(nnx.Linear, *_DOT),
+  _hook(nnx.LinearGeneral, *_DOT),
+  _hook(nnx.Conv, *_CONV),
+  _hook(nnx.Einsum, "einsum_op", jnp.einsum, accumulate.einsum, "accumulation"),
+  _hook(
+    nnx.MultiHeadAttention,
+    "attention_fn",
+    nnx.dot_product_attention,
+    attention.dot_product_attention,
+    "softmax",
+  ),
+)
+"""Flax layers whose default kernels jmp_lite replaces for 16-bit compute.
+
+Not covered (no hook in Flax): linen ``Einsum``, ``ConvTranspose`` and
+``Embed.attend``, NNX ``ConvTranspose`` and ``Embed.attend``, and matmuls a
+user module writes itself; those accumulate as JAX decides (the jaxpr says
+the 16-bit dtype).
+"""
+
+
+class Resolved(NamedTuple):
+  """The effective precision of one module (its class, in its context)."""
+
+  compute_dtype: np.dtype  # inputs and parameters; inherited by submodules without an override
+  output_dtype: np.dtype  # outputs of inner calls: the enclosing module's compute dtype
+  root_output_dtype: np.dtype  # outputs of the outermost call
+  attributes: Mapping[str, Any]  # the user's attributes (explicit overrides only)
+  hooks: tuple[Hook, ...]  # Flax kernels to swap in (16-bit compute only)
+  recompute: bool  # run under jax.checkpoint (an island that asked for it)
+
+
+class ModulePolicies:
+  """A policy plus per-module-class overrides, resolved per module.
+
+  A module whose class (or a base class) has an override computes in the
+  override's dtype and returns its ``output_dtype`` (default: the dtype of the
+  module around it). A module without one inherits the compute dtype of the
+  closest enclosing module that has one (linen: the calling module; NNX: the
+  module holding it), or the policy's at the top: overriding a block class
+  runs the whole block in that dtype, and a LayerNorm inside an fp32 block
+  returns fp32 to it.
+
+  Args:
+    policy: the global :class:`~jmp_lite.Policy` (or a policy string).
+    overrides: ``{module_class: ModulePolicy | dtype | None}`` merged over
+      :data:`DEFAULT_OVERRIDES`; a dtype ``d`` means ``ModulePolicy(compute_dtype=d)``
+      and ``None`` means no override for that class and its subclasses (they
+      follow the policy, or the enclosing module), e.g. ``{nn.LayerNorm: None}``.
+    use_default_overrides: start from :data:`DEFAULT_OVERRIDES` (default) or
+      from no overrides.
+    fp32_accumulation: give Flax's dense, convolution and einsum layers the
+      fp32-accumulating kernels when they compute in 16 bits.
+    fp32_softmax: give Flax's attention layers :func:`dot_product_attention`
+      (fp32 softmax, fp32 accumulation) when they compute in 16 bits.
+
+  Raises:
+    TypeError: for an override key that is not a Flax module class, or a value
+      that is not a ModulePolicy, dtype or None.
+    ValueError: for an fp8 compute dtype (use jmp_lite's fp8 support) or an
+      unknown dtype name.
+  """
+
+  def __init__(
+    self,
+    policy: Policy | str,
+    overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
+    *,
+    use_default_overrides: bool = True,
+    fp32_accumulation: bool = True,
+    fp32_softmax: bool = True,
+  ):
+    self.policy = get_policy(policy)
+    if dtypes.is_float8(self.policy.compute_dtype):
+      raise ValueError(
+        f"Policy {self.policy} computes in fp8, which needs per-tensor scaling that casting "
+        "Flax modules cannot provide; use jmp_lite's fp8 matmuls for fp8 compute."
+      )
+    if overrides is not None and not isinstance(overrides, Mapping):
+      raise TypeError(
+        f"overrides must be a mapping from module class to ModulePolicy, got {overrides!r}."
+      )
+    table = dict(DEFAULT_OVERRIDES) if use_default_overrides else {}
+    for cls, value in (overrides or {}).items():
+      if not (isinstance(cls, type) and issubclass(cls, (nn.Module, nnx.Module))):
+        raise TypeError(f"override keys must be Flax linen or NNX module classes, got {cls!r}.")
+      if value is None:
+        # An explicit "no override": stops the search along the MRO too, so a
+        # LayerNorm subclass mapped to None follows the policy.
+        table[cls] = None
+      elif isinstance(value, ModulePolicy):
+        table[cls] = value
+      elif isinstance(value, Policy):
+        raise TypeError(
+          f"override for {cls.__name__} is a Policy; use ModulePolicy(compute_dtype=..., "
+          "output_dtype=...): parameters are stored in the global policy's param dtype."
+        )
+      else:
+        try:
+          table[cls] = ModulePolicy(compute_dtype=value)
+        except (TypeError, ValueError) as e:
+          raise type(e)(f"override for {cls.__name__}: {e}") from e
+    self.overrides: Mapping[type, ModulePolicy | None] = types.MappingProxyType(table)
+    self.fp32_accumulation = bool(fp32_accumulation)
+    self.fp32_softmax = bool(fp32_softmax)
+    self._cache: dict[tuple[type, np.dtype], Resolved] = {}
+
+  def _key(self):
+    return (
+      self.policy,
+      tuple(
+        sorted(
+          (((c.__module__, c.__qualname__, id(c)), p) for c, p in self.overrides.items()),
+          key=lambda item: item[0],
+        )
+      ),
+      self.fp32_accumulation,
+      self.fp32_softmax,
+    )
+
+  def __eq__(self, other):
+    return isinstance(other, ModulePolicies) and self._key() == other._key()
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __repr__(self):
+    names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in self.overrides)
+    return f"ModulePolicies({self.policy}, overrides=[{names}])"
+
+  def module_policy(self, cls: type) -> ModulePolicy | None:
+    """The override for ``cls``: that of its most specific class in the table.
+
+    ``None`` if there is none, or the closest entry is an explicit ``None``.
+    """
+    for base in cls.__mro__:
+      if base in self.overrides:
+        return self.overrides[base]
+    return None
+
+  def resolve(self, cls: type, parent: Resolved | None = None) -> Resolved:
+    """The precision of a module of class ``cls`` called inside ``parent``.
+
+    ``parent`` is the :class:`Resolved` of the enclosing module, ``None`` at
+    the top (then the policy's compute dtype is the context).
+    """
+    context = parent.compute_dtype if parent is not None else self.policy.compute_dtype
+    key = (cls, context)
+    if key not in self._cache:
+      override = self.module_policy(cls)
+      if override is None:  # inherit the context
+        compute, output, root_output = context, context, self.policy.output_dtype
+        attributes, recompute = types.MappingProxyType({}), False
+      else:
+        compute = override.compute_dtype or self.policy.compute_dtype
+        output = override.output_dtype or context
+        root_output = override.output_dtype or self.policy.output_dtype
+        attributes = override.attributes
+        recompute = override.recompute and compute != context
+      hooks = ()
+      if accumulate.is_16bit_float(compute):
+        enabled = {"accumulation": self.fp32_accumulation, "softmax": self.fp32_softmax}
+        hooks = tuple(
+          h
+          for h in FLAX_HOOKS
+          if issubclass(cls, h.cls) and enabled[h.kind] and h.attribute not in attributes
+        )
+      self._cache[key] = Resolved(compute, output, root_output, attributes, hooks, recompute)
+    return self._cache[key]
+
+  def attribute_updates(self, module: Any, resolved: Resolved | None = None) -> dict[str, Any]:
+    """Attributes to set on ``module`` while it runs (hooks, then the user's).
+
+    ``resolved`` is the module's :class:`Resolved` (default: at the top).
+    """
+    resolved = resolved or self.resolve(type(module))
+    updates = {h.attribute: h.replacement for h in resolved.hooks if h.is_default(module)}
+    for name, value in resolved.attributes.items():
+      if not hasattr(module, name):
+        raise AttributeError(
+          f"ModulePolicy for {type(module).__name__} sets attribute {name!r}, which "
+          f"{type(module).__name__} does not have."
+        )
+      updates[name] = value
+    return updates
+
+
+def cast_floating(tree: Any, dtype: np.dtype) -> Any:
+  """Casts the floating-point array leaves of ``tree`` to ``dtype``.
+
+  Unlike :meth:`Policy.cast_to_compute`, tracers of any JAX transformation and
+  Python floats are left to JAX's promotion rules (Python scalars stay weakly
+  typed); integer, boolean and key arrays pass through.
+  """
+
+  def cast(x):
+    if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
+      return x if x.dtype == dtype else x.astype(dtype)
+    return x
+
+  return jax.tree_util.tree_map(cast, tree)
+
+
+def recomputed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+  """``fn(*args, **kwargs)`` under :func:`jax.checkpoint` (non-array arguments static)."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+
+  def call(*arrays):
+    it = iter(arrays)
+    full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    return fn(*a, **k)
+
+  return jax.checkpoint(call)(*(x for x, a in zip(leaves, is_array, strict=True) if a))
+
+
+def nearest(path: tuple, table: Mapping[tuple, Any]) -> Any:
+  """The entry of ``table`` at ``path`` or at its closest ancestor (None if none)."""
+  for n in range(len(path), -1, -1):
+    if path[:n] in table:
+      return table[path[:n]]
+  return None

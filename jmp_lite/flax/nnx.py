@@ -1,0 +1,205 @@
+"""A low-precision view of a Flax NNX model, for the forward pass.
+
+NNX models are stateful objects, so instead of intercepting ``apply`` the
+policy builds a *view*::
+
+  policy = jl.get_policy("params=float32,compute=bfloat16,output=float32")
+
+  def loss_fn(model):
+    logits = jl.flax.policy_view(model, policy)(tokens)  # fp32 logits, bf16 inside
+    return cross_entropy(logits, tokens)
+
+  grads = nnx.grad(loss_fn)(model)  # fp32, shaped like the model's Params
+
+:func:`policy_view` does not modify ``model``. It builds a copy of the module
+graph (:func:`flax.nnx.split`, :func:`flax.nnx.merge` without copying
+Variables, :func:`flax.nnx.recursive_map`) in which
+
+* every :class:`~flax.nnx.Param` is a new Variable holding the parameter cast
+  to the compute dtype of the module that owns it (the cast is differentiable,
+  so gradients reach the fp32 parameters);
+* every other Variable (``BatchStat``, RNG counters, caches) *is* the model's
+  own, so a forward pass in training mode updates the model's batch
+  statistics exactly as calling the model would;
+* every submodule is wrapped so that its calls (``__call__`` and any public
+  method reached through the parent, e.g. ``self.embed.attend``) cast floating
+  inputs to its compute dtype and outputs to its output dtype, with the same
+  per-class overrides as linen (:mod:`jmp_lite.flax.module_policy`);
+* 16-bit Flax layers get the fp32-accumulating kernels and attention the fp32
+  softmax, set as attributes on the copies.
+
+The view is cheap (no arrays are copied but the cast parameters) and meant to
+be rebuilt inside each traced step; it holds no global state. Build it at the
+trace level of the model (inside the function ``nnx.jit``/``nnx.grad``
+transforms) and call it anywhere below, ``jax.vmap``/``jax.lax.scan`` bodies
+included: NNX does not let an inner trace split a model from an outer one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmp_lite import dtypes
+from jmp_lite.flax.module_policy import (
+  ModulePolicies,
+  ModulePolicy,
+  Resolved,
+  cast_floating,
+  nearest,
+  recomputed,
+)
+from jmp_lite.policy import Policy
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+class PolicyModule(nnx.Module):
+  """Wraps one module of a :func:`policy_view`: casts its calls' inputs and outputs.
+
+  Attribute reads fall through to the wrapped module (``view.block.norm.scale``
+  works as on the model); public methods reached that way are cast like
+  ``__call__``. ``module`` is the wrapped module.
+  """
+
+  def __init__(
+    self,
+    module: nnx.Module,
+    compute_dtype: np.dtype,
+    output_dtype: np.dtype,
+    recompute: bool = False,
+  ):
+    self.module = module
+    self._compute_dtype = np.dtype(compute_dtype)
+    self._output_dtype = np.dtype(output_dtype)
+    self._recompute = bool(recompute)
+
+  def _cast_call(self, fn, *args, **kwargs):
+    def call(*args, **kwargs):
+      args, kwargs = cast_floating((args, kwargs), self._compute_dtype)
+      return fn(*args, **kwargs)
+
+    # Under recompute the cast happens inside, so the saved inputs are the narrow ones.
+    out = recomputed(call, args, kwargs) if self._recompute else call(*args, **kwargs)
+    return cast_floating(out, self._output_dtype)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self._cast_call(self.module, *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for names PolicyModule itself lacks. NNX reads private
+    # attributes while it builds objects; those must not recurse into module.
+    if name.startswith("_") or name == "module":
+      raise AttributeError(name)
+    value = getattr(self.module, name)
+    if callable(value) and getattr(value, "__self__", None) is self.module:
+      return functools.partial(self._cast_call, value)
+    return value
+
+
+def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, Resolved]:
+  """The precision of every module of ``model``, by path, parents before children."""
+  modules = {
+    tuple(path): module
+    for path, module in nnx.iter_modules(model)
+    # Containers are transparent: a module in an nnx.List belongs to the list's holder.
+    if not isinstance(module, (nnx.List, nnx.Dict))
+  }
+  resolved: dict[tuple, Resolved] = {}
+  for path in sorted(modules, key=len):
+    parent = nearest(path[:-1], resolved) if path else None
+    resolved[path] = policies.resolve(type(modules[path]), parent)
+  return resolved
+
+
+def policy_view(
+  model: M,
+  policy: Policy | str,
+  *,
+  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
+  use_default_overrides: bool = True,
+  fp32_accumulation: bool = True,
+  fp32_softmax: bool = True,
+) -> M:
+  """Returns a view of ``model`` that runs under ``policy`` (``model`` is untouched).
+
+  Calling the view (``policy_view(model, policy)(x)``) casts ``x`` to the
+  compute dtype and returns outputs in the policy's output dtype. Parameters
+  are read in the compute dtype of the module owning them (fp32 for the
+  :data:`~jmp_lite.flax.DEFAULT_OVERRIDES`: normalization and embeddings);
+  non-parameter state is shared with ``model``. Build it inside the function
+  you differentiate, so that gradients flow to ``model``'s parameters.
+
+  Works under ``nnx.jit``/``jax.jit``, ``nnx.grad``/``jax.grad``, ``vmap`` and
+  ``scan``. Forward-mode differentiation needs ``fp32_accumulation=False,
+  fp32_softmax=False``.
+
+  Args:
+    model: an NNX module written with default dtypes.
+    policy: a :class:`~jmp_lite.Policy` or policy string.
+    overrides, use_default_overrides, fp32_accumulation, fp32_softmax: see
+      :class:`~jmp_lite.flax.ModulePolicies`.
+
+  Returns:
+    A :class:`PolicyModule` wrapping the low-precision copy of ``model``;
+    typed as ``model``'s type since calls and attribute reads behave alike.
+
+  Raises:
+    TypeError: if ``model`` is not an NNX module (or a linen one: use
+      :func:`~jmp_lite.flax.policy_apply`).
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+      f"policy_view expects a flax.nnx Module, got {model!r} of type {type(model).__name__}"
+      " (for linen models use jmp_lite.flax.policy_apply)."
+    )
+  policies = ModulePolicies(
+    policy,
+    overrides,
+    use_default_overrides=use_default_overrides,
+    fp32_accumulation=fp32_accumulation,
+    fp32_softmax=fp32_softmax,
+  )
+  return _view(model, policies)
+
+
+def _view(model: nnx.Module, policies: ModulePolicies) -> Any:
+  resolved = _resolve_modules(model, policies)
+
+  def cast_param(path: tuple, param: Any) -> Any:
+    value = param.get_value()
+    if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
+      return param
+    owner = nearest(tuple(path[:-1]), resolved)
+    dtype = owner.compute_dtype if owner is not None else policies.policy.compute_dtype
+    # A new Variable: the model's Param keeps its value and dtype.
+    return param if value.dtype == dtype else param.replace(cast_floating(value, dtype))
+
+  # split hands out the model's own Variable objects and merge(copy=False)
+  # reuses them: the view gets new Params but shares all other state.
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  view = nnx.merge(graphdef, nnx.map_state(cast_param, params), rest, copy=False)
+
+  def wrap(path: tuple, node: Any) -> Any:
+    if tuple(path) in resolved and not isinstance(node, PolicyModule):
+      r = resolved[tuple(path)]
+      for name, value in policies.attribute_updates(node, r).items():
+        setattr(node, name, value)  # node belongs to the view, not to the model
+      output = r.root_output_dtype if not path else r.output_dtype
+      return PolicyModule(node, r.compute_dtype, output, r.recompute)
+    return node
+
+  try:
+    return nnx.recursive_map(wrap, view, graph=True)
+  except ValueError as e:
+    if "does not support mutation" not in str(e):
+      raise
+    raise TypeError(
+      "policy_view needs to wrap submodules inside their containers, but one is held in an "
+      f"immutable container ({e}). Keep submodules in nnx.List / nnx.Dict or as attributes."
+    ) from e

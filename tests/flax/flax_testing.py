@@ -1,0 +1,204 @@
+"""Shared by the Flax tests: small real models and jaxpr/HLO inspection helpers.
+
+Each model exists in linen and NNX: a one-block transformer LM (embedding,
+multi-head attention, MLP, LayerNorm) and a convnet with BatchNorm. Nothing
+in them mentions a dtype, which is the point: jmp_lite applies the policy from
+outside.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.extend import core as jex_core
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+def jit(fun, **kwargs):
+  """jax.jit with XLA's backend optimizations off: these tests check values and
+  dtypes, not speed, and on 2 CPU cores compiling dominates their run time."""
+  return jax.jit(fun, compiler_options={"xla_backend_optimization_level": 0}, **kwargs)
+
+
+VOCAB, WIDTH, HEADS, LENGTH, CLASSES = 32, 16, 2, 8, 4
+
+
+class LinenBlock(nn.Module):
+  width: int = WIDTH
+  heads: int = HEADS
+
+  @nn.compact
+  def __call__(self, x, mask=None):
+    h = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(4 * self.width)(h)
+    return x + nn.Dense(self.width)(nn.gelu(h))
+
+
+class LinenLM(nn.Module):
+  vocab: int = VOCAB
+  width: int = WIDTH
+  layers: int = 1
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.width)(tokens)
+    pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[-1], self.width))
+    x = x + pos
+    mask = nn.make_causal_mask(tokens)
+    for _ in range(self.layers):
+      x = LinenBlock(self.width)(x, mask)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+class LinenConvNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    x = nn.relu(x)
+    x = nn.Conv(8, (3, 3), strides=(2, 2))(x)
+    x = x.mean(axis=(1, 2))
+    return nn.Dense(CLASSES)(x)
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs):
+    self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(heads, width, decode=False, rngs=rngs)
+    self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+    self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+  def __call__(self, x, mask=None):
+    h = self.norm1(x)
+    x = x + self.attn(h, mask=mask, deterministic=True)
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class NnxLM(nnx.Module):
+  def __init__(self, vocab: int = VOCAB, width: int = WIDTH, heads: int = HEADS, *, rngs):
+    self.embed = nnx.Embed(vocab, width, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (LENGTH, width)))
+    self.block = NnxBlock(width, heads, rngs=rngs)
+    self.norm = nnx.LayerNorm(width, rngs=rngs)
+    self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos[...]
+    x = self.block(x, nnx.make_causal_mask(tokens))
+    return self.head(self.norm(x))
+
+
+class NnxConvNet(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+    self.conv2 = nnx.Conv(8, 8, (3, 3), strides=(2, 2), rngs=rngs)
+    self.head = nnx.Linear(8, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.bn(self.conv1(x)))
+    return self.head(self.conv2(x).mean(axis=(1, 2)))
+
+
+def tokens(seed: int = 0, batch: int = 2) -> jax.Array:
+  return jax.random.randint(jax.random.key(seed), (batch, LENGTH), 0, VOCAB)
+
+
+def images(seed: int = 0, batch: int = 4) -> jax.Array:
+  return jax.random.normal(jax.random.key(seed), (batch, 8, 8, 3))
+
+
+def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Next-token cross-entropy (whatever dtype the logits arrive in)."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+
+def eqns(jaxpr) -> Iterator[jex_core.JaxprEqn]:
+  """Every equation of ``jaxpr`` and of the jaxprs nested in its equations."""
+  if isinstance(jaxpr, jex_core.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+          yield from eqns(sub)
+
+
+def in_dtypes(eqn) -> tuple[np.dtype, ...]:
+  return tuple(np.dtype(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype"))
+
+
+def out_dtype(eqn) -> np.dtype:
+  return np.dtype(eqn.outvars[0].aval.dtype)
+
+
+def products(jaxpr) -> list:
+  """The dot_general and conv_general_dilated equations of ``jaxpr``."""
+  return [e for e in eqns(jaxpr) if e.primitive.name in ("dot_general", "conv_general_dilated")]
+
+
+def check_fp32_accumulation(jaxpr, narrow: np.dtype = BF16) -> int:
+  """Asserts every matmul/conv on ``narrow`` operands accumulates in fp32.
+
+  Returns how many there are, so that callers can check the test is not vacuous.
+  """
+  count = 0
+  for eqn in products(jaxpr):
+    dtypes = in_dtypes(eqn)
+    if narrow in dtypes:
+      assert dtypes == (narrow, narrow), f"mixed operands {dtypes} in {eqn}"
+      assert eqn.params["preferred_element_type"] == F32, f"16-bit accumulation: {eqn}"
+      assert out_dtype(eqn) == F32, eqn
+      count += 1
+    assert out_dtype(eqn).itemsize >= 4, f"a matmul/conv produces 16-bit values: {eqn}"
+  return count
+
+
+_HLO_OP = re.compile(
+  r"stablehlo\.(dot_general|convolution)\b.*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)"
+  r"\s*->\s*tensor<([^>]*)>"
+)
+
+
+def hlo_products(text: str) -> list[tuple[str, str, str, str]]:
+  """(op, lhs type, rhs type, result type) of every dot/conv in StableHLO text."""
+  return [m.groups() for m in _HLO_OP.finditer(text)]
+
+
+def check_hlo_fp32_accumulation(text: str, narrow: str = "bf16") -> int:
+  """Asserts every dot/conv with ``narrow`` operands in lowered HLO returns f32."""
+  count = 0
+  ops = hlo_products(text)
+  assert ops, "no dot_general/convolution found in the HLO"
+  for op, lhs, rhs, result in ops:
+    if lhs.endswith(narrow) or rhs.endswith(narrow):
+      assert lhs.endswith(narrow) and rhs.endswith(narrow), (op, lhs, rhs)
+      assert result.endswith("f32"), f"{op} ({lhs}, {rhs}) -> {result} accumulates in 16 bits"
+      count += 1
+    assert not result.endswith(("bf16", "f16")), (op, lhs, rhs, result)
+  return count
+
+
+def primitive_dtypes(jaxpr, name: str) -> set[np.dtype]:
+  """Output dtypes of every equation of primitive ``name``."""
+  return {out_dtype(e) for e in eqns(jaxpr) if e.primitive.name == name}
+
+
+def rel_error(a, b) -> float:
+  """max |a - b| / max |b| over a whole pytree (one scale for all leaves)."""
+  a = [np.asarray(x, np.float64) for x in jax.tree.leaves(a)]
+  b = [np.asarray(x, np.float64) for x in jax.tree.leaves(b)]
+  num = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+  return num / max(float(np.max(np.abs(y))) for y in b)

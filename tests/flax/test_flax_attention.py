@@ -1,0 +1,153 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax_testing import BF16, F32, check_fp32_accumulation, eqns, primitive_dtypes
+
+import jmp_lite.flax as jlf
+
+
+def _random(shape, seed, dtype=F32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def f32(x):
+  return np.asarray(x).astype(np.float32)
+
+
+def _residual_dtypes(fn, *args):
+  """dtypes of the arrays jax.vjp(fn) keeps for the backward pass."""
+  closed, (_, vjp_fn) = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
+  n = len(jax.tree.leaves(vjp_fn))
+  return [np.dtype(v.aval.dtype) for v in closed.jaxpr.outvars[-n:]]
+
+
+def test_softmax_is_fp32_inside_and_keeps_16bit_residuals():
+  logits = _random((3, 7), 0, BF16)
+  mask = np.random.default_rng(1).random((3, 7)) > 0.3
+  mask[:, 0] = True
+
+  weights = jnp.arange(7.0)
+  ref_fn = lambda x: jax.nn.softmax(jnp.where(mask, x.astype(F32), -jnp.inf))
+
+  @jax.jit
+  def run(x):
+    ours = lambda x: jlf.softmax(x, -1, mask)
+    grad = jax.grad(lambda x: jnp.sum(ours(x).astype(F32) * weights))(x)
+    ref_grad = jax.grad(lambda x: jnp.sum(ref_fn(x) * weights))(x.astype(F32))
+    return ours(x), grad, ref_fn(x), ref_grad
+
+  probs, grad, ref, ref_grad = run(logits)
+  assert probs.dtype == BF16
+  # fp32 inside, rounded once: exactly the rounded fp32 softmax.
+  np.testing.assert_array_equal(f32(probs), np.asarray(ref).astype(BF16).astype(np.float32))
+  assert (f32(probs)[~mask] == 0).all()
+  np.testing.assert_allclose(f32(grad), ref_grad, atol=0.02 * float(np.abs(ref_grad).max()))
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x: jlf.softmax(x, -1, mask).astype(F32).sum()))(logits)
+  assert primitive_dtypes(jaxpr, "exp") == {F32}
+  assert primitive_dtypes(jaxpr, "reduce_sum") == {F32}
+  # Only the 16-bit probabilities are kept: not the fp32 ones, the logits or the mask.
+  assert _residual_dtypes(lambda x: jlf.softmax(x, -1, mask), logits) == [BF16]
+  assert F32 in _residual_dtypes(lambda x: jax.nn.softmax(x.astype(F32)).astype(BF16), logits)
+
+
+def test_softmax_fp32_input_is_jax_softmax():
+  x = _random((4, 5), 0)
+  ours, ref = jax.jit(lambda x: (jlf.softmax(x), jax.nn.softmax(x)))(x)
+  np.testing.assert_allclose(ours, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_dot_product_attention_matches_flax(heads, kv_heads):
+  q, k, v = (
+    _random((2, 5, heads, 8), 0),
+    _random((2, 6, kv_heads, 8), 1),
+    _random((2, 6, kv_heads, 8), 2),
+  )
+  mask = jnp.asarray(np.random.default_rng(3).random((2, 1, 5, 6)) > 0.2)
+  bias = _random((1, heads, 5, 6), 4)
+
+  @jax.jit
+  def run(q, k, v):
+    ours = jlf.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=True)
+    half = jlf.dot_product_attention(
+      *(x.astype(BF16) for x in (q, k, v)), bias=bias, mask=mask, is_causal=True
+    )
+    ref = nnx.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=True)
+    return ours, half, ref
+
+  ours, half, ref = run(q, k, v)
+  np.testing.assert_allclose(ours, ref, atol=1e-5)
+  assert half.dtype == BF16
+  np.testing.assert_allclose(f32(half), ref, atol=0.05)
+
+
+def test_dot_product_attention_dropout_and_sow_match_flax():
+  q, k, v = _random((2, 5, 2, 4), 0), _random((2, 5, 2, 4), 1), _random((2, 5, 2, 4), 2)
+  kwargs = dict(dropout_rng=jax.random.key(0), dropout_rate=0.3, deterministic=False)
+
+  class Sower(nn.Module):
+    @nn.compact
+    def __call__(self, q):
+      return jlf.dot_product_attention(q, q, q, module=self)
+
+  @jax.jit
+  def run(q, k, v):
+    ours = jlf.dot_product_attention(q, k, v, **kwargs)
+    _, state = Sower().apply({}, q, mutable=["intermediates"])
+    return ours, nn.dot_product_attention(q, k, v, **kwargs), state
+
+  ours, ref, state = run(q, k, v)
+  np.testing.assert_allclose(ours, ref, atol=1e-5)  # the same dropout mask as Flax
+  (weights,) = state["intermediates"]["attention_weights"]
+  assert weights.shape == (2, 2, 5, 5)
+  np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_dot_product_attention_accumulates_in_fp32_forward_and_backward():
+  q = _random((2, 5, 2, 4), 0, BF16)
+  loss = lambda q: jlf.dot_product_attention(q, q, q).astype(F32).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(q)
+  assert check_fp32_accumulation(jaxpr) >= 6  # 2 forward, 4 backward matmuls
+  assert primitive_dtypes(jaxpr, "exp") == {F32}
+
+
+def test_dot_product_attention_custom_einsums_replace_the_default():
+  calls = []
+
+  def einsum(*args, **kwargs):
+    calls.append(args[0])
+    return jnp.einsum(*args, **kwargs)
+
+  q = _random((1, 3, 2, 4), 0)
+  out = jax.eval_shape(
+    lambda q: jlf.dot_product_attention(
+      q, q, q, qk_attn_weights_einsum=einsum, attn_weights_value_einsum=einsum
+    ),
+    q,
+  )
+  assert len(calls) == 2 and out.shape == q.shape
+  # The softmax is still ours (fp32 for 16-bit inputs).
+  jaxpr = jax.make_jaxpr(
+    lambda q: jlf.dot_product_attention(
+      q, q, q, qk_attn_weights_einsum=einsum, attn_weights_value_einsum=einsum
+    )
+  )(q.astype(BF16))
+  assert primitive_dtypes(jaxpr, "exp") == {F32}
+  assert any(e.primitive.name == "custom_vjp_call" for e in eqns(jaxpr))
+
+
+@pytest.mark.parametrize(
+  "shapes, kwargs, match",
+  [
+    (((2, 3, 4, 8), (2, 3, 3, 8), (2, 3, 3, 8)), {}, "multiple of key/value heads"),
+    (((3, 4, 8), (3, 4, 8), (2, 3, 4, 8)), {}, "same rank"),
+    (((2, 3, 2, 8),) * 3, {"qk_attn_weights_einsum": jnp.einsum}, "given together"),
+  ],
+)
+def test_dot_product_attention_rejects_bad_input(shapes, kwargs, match):
+  q, k, v = (jnp.zeros(s) for s in shapes)
+  with pytest.raises(ValueError, match=match):
+    jlf.dot_product_attention(q, k, v, **kwargs)

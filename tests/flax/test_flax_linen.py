@@ -1,0 +1,408 @@
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax_testing import (
+  BF16,
+  F16,
+  F32,
+  LinenBlock,
+  LinenConvNet,
+  LinenLM,
+  check_fp32_accumulation,
+  check_hlo_fp32_accumulation,
+  eqns,
+  images,
+  in_dtypes,
+  jit,
+  lm_loss,
+  primitive_dtypes,
+  products,
+  rel_error,
+  tokens,
+)
+
+import jmp_lite.flax as jlf
+
+POLICY = "p=f32,c=bf16,o=f32"
+
+
+@pytest.fixture(scope="module")
+def lm():
+  model, toks = LinenLM(), tokens()
+  return model, toks, jit(model.init)(jax.random.key(0), toks)
+
+
+def _shapes(fn, *args):
+  """Abstract evaluation: dtypes and shapes without compiling anything."""
+  return jax.eval_shape(fn, *args)
+
+
+def test_transformer_matmuls_accumulate_in_fp32_and_islands_are_fp32(lm):
+  model, toks, variables = lm
+  apply = jlf.policy_apply(model, POLICY)
+  grad = jax.grad(lambda p: lm_loss(apply({"params": p}, toks), toks))
+  jaxpr = jax.make_jaxpr(grad)(variables["params"])
+  # 9 forward products (q, k, v, out, MLP up/down, head, 2 in attention) and
+  # 18 backward ones, all on bf16 operands with fp32 accumulation.
+  assert check_fp32_accumulation(jaxpr) >= 27
+  hlo = jax.jit(grad).lower(variables["params"]).as_text()
+  assert check_hlo_fp32_accumulation(hlo) >= 27
+  # fp32 islands: attention softmax and cross-entropy (exp, max, log),
+  # LayerNorm statistics (rsqrt of the variance), in the backward pass too.
+  for name in ("exp", "log", "rsqrt", "reduce_max"):
+    assert primitive_dtypes(jaxpr, name) == {F32}, name
+  # Without jmp_lite the same model under a bf16 cast has 16-bit islands.
+  plain = jax.make_jaxpr(
+    lambda p: lm_loss(
+      model.apply({"params": jax.tree.map(lambda x: x.astype(BF16), p)}, toks), toks
+    )
+  )(variables["params"])
+  assert BF16 in primitive_dtypes(plain, "exp")  # Flax's own softmax follows its input
+
+
+def test_every_module_output_has_its_dtype(lm):
+  model, toks, variables = lm
+  apply = jlf.policy_apply(model, POLICY)
+  out, state = _shapes(
+    lambda v: apply(v, toks, capture_intermediates=True, mutable=["intermediates"]), variables
+  )
+  assert out.dtype == F32  # the outermost call returns the policy's output dtype
+  found = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]:
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    found["/".join(names)] = leaf.dtype
+  assert found.pop("__call__") == F32
+  # Inner modules, fp32 islands included, hand bf16 to the next layer.
+  assert len(found) >= 12 and set(found.values()) == {BF16}, found
+  assert any("LayerNorm" in k for k in found) and any("Embed" in k for k in found)
+
+
+class Log:
+  """A mutable record (linen would turn a list attribute into a tuple)."""
+
+  def __init__(self):
+    self.entries = []
+
+  def append(self, entry):
+    self.entries.append(entry)
+
+
+class Recorder(nn.Module):
+  """Records the dtypes its input and its parameter arrive in."""
+
+  log: Log
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.ones, (x.shape[-1],))
+    self.log.append(("Recorder", x.dtype, w.dtype))
+    return x * w
+
+
+class RecordingNorm(nn.LayerNorm):
+  log: Log = None
+
+  @nn.compact
+  def __call__(self, x, *args, **kwargs):
+    y = super().__call__(x, *args, **kwargs)
+    scale = self.get_variable("params", "scale")
+    self.log.append(("RecordingNorm", x.dtype, scale.dtype))
+    return y
+
+
+class Probed(nn.Module):
+  log: Log
+
+  @nn.compact
+  def __call__(self, x):
+    return RecordingNorm(log=self.log)(Recorder(self.log)(nn.Dense(4)(x)))
+
+
+def test_inputs_and_parameters_arrive_in_the_module_compute_dtype():
+  log = Log()
+  model, x = Probed(log), jnp.ones((2, 3))
+  variables = _shapes(model.init, jax.random.key(0), x)
+  assert {p.dtype for p in jax.tree.leaves(variables)} == {F32}
+
+  def run(**options):
+    log.entries.clear()
+    _shapes(jlf.policy_apply(model, POLICY, **options), variables, x)
+    # The model's Python runs twice per trace: once abstractly to find which
+    # module owns which parameter (with the stored params), then for real.
+    return set(log.entries[len(log.entries) // 2 :])
+
+  # Default module: bf16 in, bf16 params. LayerNorm subclass: fp32 (MRO match).
+  assert run() == {("Recorder", BF16, BF16), ("RecordingNorm", F32, F32)}
+  assert run(overrides={Recorder: "f16", RecordingNorm: None}) == {
+    ("Recorder", F16, F16),
+    ("RecordingNorm", BF16, BF16),
+  }
+  # Overriding the enclosing class: everything inside follows it.
+  assert run(overrides={Probed: "f16"}) == {("Recorder", F16, F16), ("RecordingNorm", F32, F32)}
+  assert run(overrides={Probed: "f32"}) == {("Recorder", F32, F32), ("RecordingNorm", F32, F32)}
+
+
+def test_gradients_in_param_dtype_and_close_to_fp32(lm):
+  model, toks, variables = lm
+  bf16 = jlf.policy_apply(model, POLICY)
+  f16 = jlf.policy_apply(model, "p=f32,c=f16,o=f32")
+
+  @jit
+  def run(params):
+    grads = [
+      jax.grad(lambda p, apply=apply: lm_loss(apply({"params": p}, toks), toks))(params)
+      for apply in (model.apply, bf16)
+    ]
+    logits = [apply({"params": params}, toks) for apply in (model.apply, bf16, f16)]
+    return grads, logits
+
+  (ref_grads, grads), (ref_logits, *logits) = run(variables["params"])
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  assert rel_error(grads, ref_grads) < 0.05  # bf16: 8 significant bits
+  for out, tol in zip(logits, (0.03, 0.005), strict=True):
+    assert out.dtype == F32 and rel_error(out, ref_logits) < tol
+
+
+def test_overrides_are_honoured(lm):
+  model, toks, variables = lm
+  loss = lambda apply: jax.make_jaxpr(
+    jax.grad(lambda p: lm_loss(apply({"params": p}, toks), toks))
+  )(variables["params"])
+  all_fp32 = {nn.Dense: "f32", nn.DenseGeneral: "f32", nn.MultiHeadDotProductAttention: "f32"}
+  jaxpr = loss(jlf.policy_apply(model, POLICY, overrides=all_fp32))
+  assert check_fp32_accumulation(jaxpr) == 0 and products(jaxpr)
+  assert all(in_dtypes(e) == (F32, F32) for e in products(jaxpr))
+  # LayerNorm's default removed: its statistics are bf16 now.
+  # A user attribute beats jmp_lite's kernel: Flax's attention, bf16 softmax.
+  flax_attention = jlf.ModulePolicy(attributes={"attention_fn": nn.dot_product_attention})
+  jaxpr = loss(
+    jlf.policy_apply(model, POLICY, overrides={nn.MultiHeadDotProductAttention: flax_attention})
+  )
+  assert BF16 in primitive_dtypes(jaxpr, "exp")
+  # Kernels switched off: Flax's bf16 matmuls and softmax come back.
+  jaxpr = loss(jlf.policy_apply(model, POLICY, fp32_accumulation=False, fp32_softmax=False))
+  assert BF16 in primitive_dtypes(jaxpr, "dot_general") and BF16 in primitive_dtypes(jaxpr, "exp")
+  # An output dtype override.
+  apply = jlf.policy_apply(
+    model, POLICY, overrides={nn.Dense: jlf.ModulePolicy(output_dtype="f32")}
+  )
+  _, state = _shapes(
+    lambda v: apply(v, toks, capture_intermediates=True, mutable=["intermediates"]), variables
+  )
+  (dense_out,) = state["intermediates"]["LinenBlock_0"]["Dense_0"]["__call__"]
+  assert dense_out.dtype == F32
+
+
+def _dtypes_in(jaxpr) -> set:
+  found = set()
+  for eqn in eqns(jaxpr):
+    found |= {
+      np.dtype(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "dtype")
+    }
+  return found
+
+
+def test_no_policy_state_leaks_between_calls(lm):
+  model, toks, variables = lm
+  before = model.clone()
+  conv, x = LinenConvNet(), images()
+  conv_vars = _shapes(lambda k: conv.init(k, x, train=False), jax.random.key(1))
+  jax.make_jaxpr(lambda v: jlf.policy_apply(model, POLICY)(v, toks))(variables)
+  # The next model, applied plainly, sees no trace of the policy.
+  plain = jax.make_jaxpr(lambda v: conv.apply(v, x, train=False))(conv_vars)
+  assert _dtypes_in(plain.jaxpr) <= {F32, np.dtype(np.int32), np.dtype(bool)}
+  # A second policy on the first model: fp16 only, nothing of the bf16 one.
+  f16 = jax.make_jaxpr(lambda v: jlf.policy_apply(model, "p=f32,c=f16,o=f32")(v, toks))(variables)
+  assert any(in_dtypes(e) == (F16, F16) for e in products(f16))
+  assert BF16 not in _dtypes_in(f16.jaxpr)
+  # A failing call cleans up too.
+  with pytest.raises(AttributeError):  # raised inside the model, mid-apply
+    jlf.policy_apply(model, POLICY)(variables, "not tokens")
+  plain = jax.make_jaxpr(lambda v: model.apply(v, toks))(variables)
+  assert BF16 not in _dtypes_in(plain.jaxpr)
+  # The user's module is untouched (attention_fn etc. restored).
+  assert model == before
+
+
+def test_convnet_batchnorm_statistics_fp32_and_updated():
+  model, x = LinenConvNet(), images()
+  variables = jit(model.init)(jax.random.key(0), x)
+  apply = jlf.policy_apply(model, POLICY)
+
+  def loss(params, stats, apply):
+    logits, new = apply({"params": params, "batch_stats": stats}, x, mutable=["batch_stats"])
+    return jnp.mean(logits**2), new["batch_stats"]
+
+  @jit
+  def run(v):
+    return [
+      jax.grad(loss, has_aux=True)(v["params"], v["batch_stats"], a) for a in (apply, model.apply)
+    ]
+
+  (grads, stats), (ref_grads, ref_stats) = run(variables)
+  assert {x.dtype for x in jax.tree.leaves((grads, stats))} == {F32}
+  assert rel_error(stats, ref_stats) < 0.01 and rel_error(grads, ref_grads) < 0.05
+  assert not np.allclose(
+    stats["BatchNorm_0"]["mean"], variables["batch_stats"]["BatchNorm_0"]["mean"]
+  )
+  jaxpr = jax.make_jaxpr(jax.grad(functools.partial(loss, apply=apply), has_aux=True))(
+    variables["params"], variables["batch_stats"]
+  )
+  assert check_fp32_accumulation(jaxpr) >= 5  # 2 convs forward, 3 backward (+ the head)
+  assert primitive_dtypes(jaxpr, "rsqrt") == {F32}
+  assert any(e.primitive.name == "conv_general_dilated" and in_dtypes(e) == (BF16, BF16)
+             for e in products(jaxpr))  # fmt: skip
+
+
+class ScannedLM(nn.Module):
+  @nn.compact
+  def __call__(self, toks):
+    x = nn.Embed(32, 16)(toks)
+    blocks = nn.scan(
+      nn.remat(_ScanBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=2,
+      in_axes=nn.broadcast,
+    )
+    x, _ = blocks(name="blocks")(x, nn.make_causal_mask(toks))
+    return nn.Dense(32)(x)
+
+
+class _ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, mask):
+    return LinenBlock()(x, mask), None
+
+
+def test_works_under_jit_grad_vmap_scan_and_lifted_transforms(lm):
+  model, toks, variables = lm
+  apply = jlf.policy_apply(model, POLICY)
+  loss = lambda p, t: lm_loss(apply({"params": p}, t[None]), t[None])
+
+  @jit
+  def run(params):
+    batched = apply({"params": params}, toks)
+    per_example = jax.vmap(lambda t: apply({"params": params}, t[None])[0])(toks)
+
+    def step(total, t):
+      value = loss(params, t)
+      return total + value, value
+
+    _, losses = jax.lax.scan(step, 0.0, toks)
+    return batched, per_example, losses
+
+  batched, per_example, losses = run(variables["params"])
+  np.testing.assert_allclose(per_example, batched, atol=1e-6)
+  expected = [lm_loss(batched[i : i + 1], toks[i : i + 1]) for i in range(len(toks))]
+  np.testing.assert_allclose(losses, expected, rtol=1e-5)
+
+  # Gradient accumulation over micro-batches with lax.scan: fp32 gradients,
+  # bf16 products accumulating in fp32.
+  def accumulate(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    step = lambda acc, t: (jax.tree.map(jnp.add, acc, jax.grad(loss)(params, t)), None)
+    return jax.lax.scan(step, zeros, toks)[0]
+
+  grads = jax.eval_shape(accumulate, variables["params"])
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+  assert check_fp32_accumulation(jax.make_jaxpr(accumulate)(variables["params"])) >= 27
+
+  # Through nn.scan + nn.remat inside the model: the stacked LayerNorm
+  # parameters are read in fp32, the stacked kernels in bf16.
+  scanned = ScannedLM()
+  scanned_params = _shapes(scanned.init, jax.random.key(2), toks)["params"]
+  scanned_apply = jlf.policy_apply(scanned, POLICY)
+  lifted = lambda p: jax.grad(lambda p: jnp.mean(scanned_apply({"params": p}, toks) ** 2))(p)
+  assert {g.dtype for g in jax.tree.leaves(_shapes(lifted, scanned_params))} == {F32}
+  jaxpr = jax.make_jaxpr(lifted)(scanned_params)
+  assert check_fp32_accumulation(jaxpr) >= 27
+  assert primitive_dtypes(jaxpr, "rsqrt") == {F32}
+  paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(scanned_params)]
+  invar_path = dict(zip(jaxpr.jaxpr.invars, paths, strict=True))
+  cast = {
+    invar_path[v]: np.dtype(e.params["new_dtype"])
+    for e in jaxpr.jaxpr.eqns
+    if e.primitive.name == "convert_element_type"
+    for v in e.invars
+    if v in invar_path
+  }
+  kernels = [p for p in paths if "kernel" in p]
+  norms = [p for p in paths if "LayerNorm" in p]
+  assert kernels and all(cast.get(p) == BF16 for p in kernels)
+  assert norms and not any(p in cast for p in norms)  # read as stored: fp32
+
+
+class WithMethods(nn.Module):
+  def setup(self):
+    self.embed = nn.Embed(8, 4)
+    self.dense = nn.Dense(4)
+
+  def __call__(self, toks):
+    return self.dense(self.embed(toks))
+
+  def decode(self, x):
+    return self.embed.attend(self.dense(x))
+
+  @nn.compact
+  def grow(self, x):
+    return x + self.param("extra", nn.initializers.ones, x.shape[-1:])
+
+
+def test_methods_mutable_params_and_init():
+  model, toks = WithMethods(), jnp.arange(6).reshape(2, 3)
+  init = jlf.policy_init(model, POLICY)
+  variables = _shapes(init, jax.random.key(0), toks)
+  assert {p.dtype for p in jax.tree.leaves(variables)} == {F32}
+  half = _shapes(jlf.policy_init(model, "p=bf16,c=bf16,o=bf16"), jax.random.key(0), toks)
+  assert {p.dtype for p in jax.tree.leaves(half)} == {BF16}
+  apply = jlf.policy_apply(model, POLICY)
+  out = _shapes(lambda v: apply(v, jnp.ones((2, 4)), method="decode"), variables)
+  assert out.dtype == F32 and out.shape == (2, 8)
+  # A parameter created during apply comes back in the param dtype; the others unchanged.
+  grow = lambda v: apply(
+    v,
+    jnp.ones((2, 4)),
+    method=WithMethods.grow,
+    mutable=["params"],
+    rngs={"params": jax.random.key(1)},
+  )
+  out, new = _shapes(grow, variables)
+  assert out.dtype == F32 and new["params"]["extra"].dtype == F32
+  assert {p.dtype for p in jax.tree.leaves(new)} == {F32}
+  # Existing parameters come back as given (not via a bf16 round trip).
+  concrete = jax.tree.map(lambda s: np.full(s.shape, 0.1, s.dtype), variables)
+  _, new = grow(concrete)
+  assert new["params"]["dense"]["kernel"] is concrete["params"]["dense"]["kernel"]
+
+
+def test_partitioned_params_keep_their_metadata():
+  model = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.ones, (None, "model")))
+  x = jnp.ones((2, 3))
+  variables = _shapes(model.init, jax.random.key(0), x)
+  assert isinstance(variables["params"]["kernel"], nn.Partitioned)
+  jaxpr = jax.make_jaxpr(lambda v: jlf.policy_apply(model, POLICY)(v, x))(variables)
+  assert check_fp32_accumulation(jaxpr) == 1
+
+
+@pytest.mark.parametrize(
+  "make, error, match",
+  [
+    (lambda: jlf.policy_apply(lambda x: x, POLICY), TypeError, "expects a flax.linen Module"),
+    (lambda: jlf.policy_apply(nn.Dense(3).bind({}), POLICY), TypeError, "unbound module"),
+    (lambda: jlf.policy_apply(nn.Dense(3), "p=f32,c=e5m2"), ValueError, "fp8"),
+    (lambda: jlf.policy_apply(nn.Dense(3), POLICY, overrides={nn.Dense: "int8"}), TypeError,
+     "not a floating-point"),
+    (lambda: jlf.policy_apply(nn.Dense(3), POLICY)([1, 2], jnp.ones(3)), TypeError,
+     "variables must be a mapping"),
+    (lambda: jlf.policy_init(object(), POLICY), TypeError, "expects a flax.linen Module"),
+  ],
+)  # fmt: skip
+def test_bad_input_is_rejected(make, error, match):
+  with pytest.raises(error, match=match):
+    make()

@@ -1,0 +1,161 @@
+import flax.linen as nn
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from flax_testing import BF16, F16, F32
+from jax import lax
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+
+POLICY = "p=f32,c=bf16,o=f32"
+
+
+class MyNorm(nn.LayerNorm):
+  pass
+
+
+def test_module_policy_parses_and_validates():
+  mp = jlf.ModulePolicy(compute_dtype="f32", output_dtype=jnp.bfloat16, attributes={"x": 1})
+  assert (mp.compute_dtype, mp.output_dtype) == (F32, BF16)
+  assert mp == jlf.ModulePolicy(F32, "bf16", {"x": 1}) and hash(mp) == hash(
+    jlf.ModulePolicy(F32, "bf16", {"x": 1})
+  )
+  assert mp != jlf.ModulePolicy(F32, "bf16", {"x": 2})
+  with pytest.raises(TypeError):
+    mp.attributes["y"] = 2  # read-only
+  with pytest.raises(ValueError, match="Unknown dtype name 'f33'"):
+    jlf.ModulePolicy(compute_dtype="f33")
+  with pytest.raises(ValueError, match="fp8"):
+    jlf.ModulePolicy(compute_dtype="e4m3")
+  with pytest.raises(TypeError, match="not a floating-point"):
+    jlf.ModulePolicy(output_dtype="int8")
+  with pytest.raises(TypeError, match="mapping"):
+    jlf.ModulePolicy(attributes=[("x", 1)])
+  with pytest.raises(TypeError, match="identifiers"):
+    jlf.ModulePolicy(attributes={"not valid": 1})
+  with pytest.raises(TypeError, match="recompute must be a bool"):
+    jlf.ModulePolicy(recompute="yes")
+
+
+def test_defaults_keep_normalization_and_embeddings_in_fp32():
+  policies = jlf.ModulePolicies(POLICY)
+  for cls in (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nnx.LayerNorm, nnx.BatchNorm,
+              nnx.GroupNorm, nnx.RMSNorm, nn.Embed, nnx.Embed):  # fmt: skip
+    resolved = policies.resolve(cls)
+    assert resolved.compute_dtype == F32, cls
+    # Islands hand their result back in the compute dtype.
+    assert resolved.output_dtype == BF16 and resolved.root_output_dtype == F32
+  assert policies.resolve(nn.LayerNorm).recompute and policies.resolve(nnx.RMSNorm).recompute
+  # BatchNorm updates running statistics: it cannot be recomputed.
+  assert not policies.resolve(nn.BatchNorm).recompute
+  assert not policies.resolve(nnx.BatchNorm).recompute
+  dense = policies.resolve(nn.Dense)
+  assert (dense.compute_dtype, dense.output_dtype, dense.root_output_dtype) == (BF16, BF16, F32)
+
+
+def test_overrides_merge_replace_and_remove_defaults():
+  policies = jlf.ModulePolicies(
+    POLICY,
+    {nn.Dense: "f32", nn.LayerNorm: None, nn.Conv: jlf.ModulePolicy(output_dtype="f16")},
+  )
+  assert policies.resolve(nn.Dense).compute_dtype == F32
+  assert policies.resolve(nn.LayerNorm).compute_dtype == BF16  # default removed
+  assert policies.resolve(nn.BatchNorm).compute_dtype == F32  # other defaults kept
+  conv = policies.resolve(nn.Conv)
+  assert (conv.compute_dtype, conv.output_dtype, conv.root_output_dtype) == (BF16, F16, F16)
+  assert policies.overrides[nn.LayerNorm] is None
+  bare = jlf.ModulePolicies(POLICY, use_default_overrides=False)
+  assert bare.resolve(nn.LayerNorm).compute_dtype == BF16
+  assert dict(bare.overrides) == {}
+
+
+def test_most_specific_class_wins():
+  policies = jlf.ModulePolicies(POLICY)
+  assert policies.resolve(MyNorm).compute_dtype == F32  # inherits LayerNorm's override
+  policies = jlf.ModulePolicies(POLICY, {MyNorm: "f16"})
+  assert policies.resolve(MyNorm).compute_dtype == F16
+  assert policies.resolve(nn.LayerNorm).compute_dtype == F32
+  # None: no override for the subclass, although its base has one.
+  assert jlf.ModulePolicies(POLICY, {MyNorm: None}).resolve(MyNorm).compute_dtype == BF16
+
+
+def test_modules_without_override_inherit_the_enclosing_one():
+  policies = jlf.ModulePolicies(POLICY, {nn.Sequential: "f32"})
+  block = policies.resolve(nn.Sequential)
+  assert (block.compute_dtype, block.output_dtype) == (F32, BF16)
+  dense = policies.resolve(nn.Dense, block)
+  assert (dense.compute_dtype, dense.output_dtype, dense.hooks) == (F32, F32, ())
+  norm = policies.resolve(nn.LayerNorm, block)  # an fp32 island inside an fp32 block
+  assert (norm.compute_dtype, norm.output_dtype, norm.recompute) == (F32, F32, False)
+  half = policies.resolve(nn.Dense, policies.resolve(nn.Dense))
+  assert (half.compute_dtype, half.output_dtype) == (BF16, BF16) and half.hooks
+
+
+def test_recompute_only_for_islands():
+  # Under an fp32 policy a LayerNorm is not an island: nothing to save by recomputing.
+  assert not jlf.ModulePolicies("f32").resolve(nn.LayerNorm).recompute
+  assert jlf.ModulePolicies(POLICY).resolve(nn.LayerNorm).recompute
+
+
+@pytest.mark.parametrize(
+  "overrides, error, match",
+  [
+    ({"Dense": "f32"}, TypeError, "module classes, got 'Dense'"),
+    ({int: "f32"}, TypeError, "module classes"),
+    ({nn.Dense: jl.get_policy("f32")}, TypeError, "is a Policy; use ModulePolicy"),
+    ({nn.Dense: "float"}, ValueError, "override for Dense: Unknown dtype name"),
+    ({nn.Dense: 3}, TypeError, "override for Dense"),
+    ([(nn.Dense, "f32")], TypeError, "must be a mapping"),
+  ],
+)
+def test_bad_overrides_are_rejected_at_construction(overrides, error, match):
+  with pytest.raises(error, match=match):
+    jlf.ModulePolicies(POLICY, overrides)
+
+
+def test_fp8_compute_policy_is_rejected():
+  with pytest.raises(ValueError, match="fp8"):
+    jlf.ModulePolicies("p=f32,c=e4m3,o=f32")
+  with pytest.raises(ValueError, match="Unknown dtype name"):
+    jlf.ModulePolicies("p=f32,c=bogus")
+
+
+def test_hooks_replace_only_flax_defaults_and_only_in_16_bits():
+  policies = jlf.ModulePolicies(POLICY)
+  assert policies.attribute_updates(nn.Dense(3)) == {"dot_general": jlf.dot_general}
+  custom = lambda *a, **k: lax.dot_general(*a, **k)
+  assert policies.attribute_updates(nn.Dense(3, dot_general=custom)) == {}
+  assert policies.attribute_updates(nn.Dense(3, dot_general_cls=lambda: custom)) == {}
+  assert policies.attribute_updates(nn.Conv(3, (3, 3))) == {
+    "conv_general_dilated": jlf.conv_general_dilated
+  }
+  mha = nn.MultiHeadDotProductAttention(num_heads=2)
+  assert policies.attribute_updates(mha) == {"attention_fn": jlf.dot_product_attention}
+  linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  assert policies.attribute_updates(linear) == {"dot_general": jlf.dot_general}
+  einsum = nnx.Einsum("ab,bc->ac", (2, 3), rngs=nnx.Rngs(0))
+  assert policies.attribute_updates(einsum) == {"einsum_op": jlf.einsum}
+  # Switched off, or not computing in 16 bits: Flax's kernels stay.
+  off = jlf.ModulePolicies(POLICY, fp32_accumulation=False, fp32_softmax=False)
+  assert off.attribute_updates(nn.Dense(3)) == {} and off.attribute_updates(mha) == {}
+  assert jlf.ModulePolicies("f32").attribute_updates(nn.Dense(3)) == {}
+  assert jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}).attribute_updates(nn.Dense(3)) == {}
+
+
+def test_user_attributes_beat_hooks_and_must_exist():
+  policies = jlf.ModulePolicies(
+    POLICY, {nn.Dense: jlf.ModulePolicy(attributes={"dot_general": lax.dot_general})}
+  )
+  assert policies.attribute_updates(nn.Dense(3)) == {"dot_general": lax.dot_general}
+  policies = jlf.ModulePolicies(POLICY, {nn.Dense: jlf.ModulePolicy(attributes={"nope": 1})})
+  with pytest.raises(AttributeError, match="'nope'"):
+    policies.attribute_updates(nn.Dense(3))
+
+
+def test_module_policies_are_values():
+  a = jlf.ModulePolicies(POLICY, {nn.Dense: "f32"})
+  assert a == jlf.ModulePolicies(jl.get_policy(POLICY), {nn.Dense: F32})
+  assert hash(a) == hash(jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}))
+  assert a != jlf.ModulePolicies(POLICY)
+  assert "flax.linen.linear.Dense" in repr(a)

@@ -1,0 +1,280 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax_testing import (
+  BF16,
+  F16,
+  F32,
+  NnxBlock,
+  NnxConvNet,
+  NnxLM,
+  check_fp32_accumulation,
+  check_hlo_fp32_accumulation,
+  eqns,
+  images,
+  in_dtypes,
+  jit,
+  lm_loss,
+  primitive_dtypes,
+  products,
+  rel_error,
+  tokens,
+)
+
+import jmp_lite.flax as jlf
+
+POLICY = "p=f32,c=bf16,o=f32"
+
+
+def _param_fn(model, fn):
+  """``fn(model)`` as a function of the model's Params (for jax.grad / make_jaxpr).
+
+  The model is rebuilt inside the traced function (copy=True): NNX only lets a
+  trace split, merge or update Variables created at its own level.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return lambda p: fn(nnx.merge(graphdef, p, rest, copy=True)), params
+
+
+def _lm_loss(policy=POLICY, **options):
+  toks = tokens()
+  return lambda m: lm_loss(jlf.policy_view(m, policy, **options)(toks), toks)
+
+
+def test_transformer_matmuls_accumulate_in_fp32_and_islands_are_fp32():
+  loss, params = _param_fn(NnxLM(rngs=nnx.Rngs(0)), _lm_loss())
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+  assert check_fp32_accumulation(jaxpr) >= 27  # 9 forward, 18 backward products
+  assert check_hlo_fp32_accumulation(jax.jit(jax.grad(loss)).lower(params).as_text()) >= 27
+  for name in ("exp", "log", "rsqrt", "reduce_max"):
+    assert primitive_dtypes(jaxpr, name) == {F32}, name
+
+
+class Log:
+  """A mutable record, kept by NNX as a static attribute."""
+
+  def __init__(self):
+    self.entries = []
+
+  def append(self, entry):
+    self.entries.append(entry)
+
+
+class Recorder(nnx.Module):
+  """Records the dtypes its input and its parameter arrive in."""
+
+  def __init__(self, log, width):
+    self.log = log
+    self.w = nnx.Param(jnp.ones((width,)))
+
+  def __call__(self, x):
+    self.log.append(("Recorder", x.dtype, self.w.dtype))
+    return x * self.w[...]
+
+
+class RecordingNorm(nnx.LayerNorm):
+  def __init__(self, log, width, *, rngs):
+    super().__init__(width, rngs=rngs)
+    self.log = log
+
+  def __call__(self, x):
+    self.log.append(("RecordingNorm", x.dtype, self.scale.dtype))
+    return super().__call__(x)
+
+
+class Probed(nnx.Module):
+  def __init__(self, log, *, rngs):
+    self.log = log
+    self.dense = nnx.Linear(3, 4, rngs=rngs)
+    self.items = nnx.List([Recorder(log, 4), RecordingNorm(log, 4, rngs=rngs)])
+
+  def __call__(self, x):
+    h = self.dense(x)
+    self.log.append(("dense output", h.dtype, None))
+    for layer in self.items:
+      h = layer(h)
+    self.log.append(("norm output", h.dtype, None))
+    return h
+
+
+def test_inputs_parameters_and_outputs_have_their_dtypes():
+  log = Log()
+  model, x = Probed(log, rngs=nnx.Rngs(0)), jnp.ones((2, 3))
+
+  def run(**options):
+    log.entries.clear()
+    out = jax.eval_shape(lambda: jlf.policy_view(model, POLICY, **options)(x))
+    return out.dtype, set(log.entries)
+
+  # Parameters and inputs in the module's compute dtype; islands hand bf16 back.
+  assert run() == (
+    F32,
+    {
+      ("dense output", BF16, None),
+      ("Recorder", BF16, BF16),
+      ("RecordingNorm", F32, F32),
+      ("norm output", BF16, None),
+    },
+  )
+  assert run(overrides={Recorder: "f16", RecordingNorm: None})[1] >= {
+    ("Recorder", F16, F16),
+    ("RecordingNorm", BF16, BF16),
+  }
+  # Overriding the enclosing class runs everything inside in its dtype.
+  assert run(overrides={Probed: "f32"})[1] == {
+    ("dense output", F32, None),
+    ("Recorder", F32, F32),
+    ("RecordingNorm", F32, F32),
+    ("norm output", F32, None),
+  }
+
+
+def test_view_leaves_the_model_alone_and_shares_its_state():
+  model, x = NnxConvNet(rngs=nnx.Rngs(0)), images()
+  kernel = model.conv1.kernel
+  view = jlf.policy_view(model, POLICY)
+  assert view.conv1.kernel.dtype == BF16 and view.bn.scale.dtype == F32  # read through
+  assert model.conv1.kernel is kernel and kernel.dtype == F32
+  assert view.bn.mean is model.bn.mean  # batch statistics are shared, not copied
+
+  graphdef, state = nnx.split(model)
+
+  @jit
+  def train_forward(state):  # what nnx.jit does, compiled faster for the test
+    model = nnx.merge(graphdef, state)
+    return jlf.policy_view(model, POLICY)(x), nnx.state(model)
+
+  mean = np.asarray(model.bn.mean[...]).copy()
+  out, state = train_forward(state)
+  nnx.update(model, state)
+  assert out.dtype == F32
+  assert model.bn.mean.dtype == F32 and not np.allclose(model.bn.mean[...], mean)
+  assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {F32}
+
+
+def test_gradients_in_param_dtype_and_close_to_fp32():
+  model, toks = NnxLM(rngs=nnx.Rngs(0)), tokens()
+  ref_loss, params = _param_fn(model, lambda m: lm_loss(m(toks), toks))
+  loss, _ = _param_fn(model, _lm_loss())
+  logits, _ = _param_fn(model, lambda m: (m(toks), jlf.policy_view(m, POLICY)(toks)))
+
+  @jit
+  def run(params):
+    return jax.grad(ref_loss)(params), jax.grad(loss)(params), logits(params)
+
+  ref_grads, grads, (ref_logits, logits) = run(params)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  assert rel_error(grads, ref_grads) < 0.05 and rel_error(logits, ref_logits) < 0.03
+  assert logits.dtype == F32
+
+
+def test_overrides_are_honoured():
+  model = NnxLM(rngs=nnx.Rngs(0))
+  jaxpr = lambda **options: jax.make_jaxpr(jax.grad(_param_fn(model, _lm_loss(**options))[0]))(
+    nnx.state(model, nnx.Param)
+  )
+  all_fp32 = {nnx.Linear: "f32", nnx.LinearGeneral: "f32", nnx.MultiHeadAttention: "f32"}
+  found = jaxpr(overrides=all_fp32)
+  assert check_fp32_accumulation(found) == 0 and products(found)
+  # The block in fp32; the head (outside it) still bf16.
+  loss, params = _param_fn(model, _lm_loss(overrides={NnxBlock: "f32"}))
+  forward = products(jax.make_jaxpr(loss)(params))
+  half = [e for e in forward if BF16 in in_dtypes(e)]
+  assert len(half) == 1 and half[0].outvars[0].aval.shape[-1] == 32  # the vocabulary head
+  assert len(forward) == 9 and check_fp32_accumulation(jax.make_jaxpr(loss)(params)) == 1
+  # Kernels switched off: Flax's products accumulate in bf16 again.
+  found = jaxpr(fp32_accumulation=False, fp32_softmax=False)
+  assert BF16 in primitive_dtypes(found, "dot_general")
+
+
+def test_methods_and_attributes_read_through_the_view():
+  model = NnxLM(rngs=nnx.Rngs(0))
+  view = jlf.policy_view(model, POLICY)
+  assert view.head.kernel.dtype == BF16 and view.block.norm1.scale.dtype == F32
+  assert isinstance(view.embed.module, nnx.Embed) and view.embed.num_embeddings == 32
+  # A method reached through the view is cast like __call__: Embed is an fp32
+  # island, so attend reads fp32 inputs and returns bf16 to its caller.
+  out = jax.eval_shape(view.embed.attend, jnp.ones((2, 16), F32))
+  assert out.dtype == BF16
+  jaxpr = jax.make_jaxpr(view.embed.attend)(jnp.ones((2, 16), BF16))
+  assert any(in_dtypes(e) == (F32, F32) for e in products(jaxpr))
+
+
+def _dtypes_in(jaxpr) -> set:
+  return {np.dtype(v.aval.dtype) for e in eqns(jaxpr) for v in (*e.invars, *e.outvars)}
+
+
+def test_no_policy_state_leaks_between_calls():
+  lm, conv, toks, x = NnxLM(rngs=nnx.Rngs(0)), NnxConvNet(rngs=nnx.Rngs(1)), tokens(), images()
+  jax.make_jaxpr(lambda: jlf.policy_view(lm, POLICY)(toks))()
+  plain = jax.make_jaxpr(lambda: (lm(toks), nnx.view(conv, use_running_average=True)(x)))()
+  assert _dtypes_in(plain) <= {F32, np.dtype(np.int32), np.dtype(bool), np.dtype(np.uint32)}
+  f16 = jax.make_jaxpr(lambda: jlf.policy_view(lm, "p=f32,c=f16,o=f32")(toks))()
+  assert BF16 not in _dtypes_in(f16) and any(in_dtypes(e) == (F16, F16) for e in products(f16))
+  assert type(lm.block.attn.attention_fn) is type(nnx.dot_product_attention)
+  assert lm.block.up.dot_general is jax.lax.dot_general
+
+
+def test_works_under_jit_grad_vmap_and_scan():
+  model, toks = NnxLM(rngs=nnx.Rngs(0)), tokens(batch=3)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss = lambda view, t: lm_loss(view(t[None]), t[None])
+
+  @jit
+  def run(params):
+    # Build the view where the model lives; call it inside vmap and scan (NNX
+    # does not let an inner trace split a model from an outer one).
+    view = jlf.policy_view(nnx.merge(graphdef, params, rest, copy=True), POLICY)
+    per_example = jax.vmap(lambda t: view(t[None])[0])(toks)
+    _, losses = jax.lax.scan(lambda c, t: (c, loss(view, t)), 0.0, toks)
+    return view(toks), per_example, losses
+
+  batched, per_example, losses = run(params)
+  np.testing.assert_allclose(per_example, batched, atol=1e-6)
+  expected = [lm_loss(batched[i : i + 1], toks[i : i + 1]) for i in range(3)]
+  np.testing.assert_allclose(losses, expected, rtol=1e-5)
+
+  def accumulate(params):  # gradient accumulation over micro-batches
+    def step(acc, t):
+      grad_fn = jax.grad(_param_fn(model, lambda m: loss(jlf.policy_view(m, POLICY), t))[0])
+      return jax.tree.map(jnp.add, acc, grad_fn(params)), None
+
+    return jax.lax.scan(step, jax.tree.map(jnp.zeros_like, params), toks)[0]
+
+  assert {g.dtype for g in jax.tree.leaves(jax.eval_shape(accumulate, params))} == {F32}
+  assert check_fp32_accumulation(jax.make_jaxpr(accumulate)(params)) >= 27
+
+
+def test_convnet_batchnorm_in_fp32():
+  model, x = NnxConvNet(rngs=nnx.Rngs(0)), images()
+  loss, params = _param_fn(model, lambda m: jnp.mean(jlf.policy_view(m, POLICY)(x) ** 2))
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+  assert check_fp32_accumulation(jaxpr) >= 5
+  assert primitive_dtypes(jaxpr, "rsqrt") == {F32}
+  assert any(e.primitive.name == "conv_general_dilated" and in_dtypes(e) == (BF16, BF16)
+             for e in products(jaxpr))  # fmt: skip
+
+
+class Pair(nnx.Module):
+  def __init__(self, rngs):
+    self.layers = nnx.data((nnx.Linear(2, 2, rngs=rngs), nnx.Linear(2, 2, rngs=rngs)))
+
+  def __call__(self, x):
+    return self.layers[1](self.layers[0](x))
+
+
+@pytest.mark.parametrize(
+  "make, error, match",
+  [
+    (lambda: jlf.policy_view(jax.numpy.ones(3), POLICY), TypeError, "expects a flax.nnx Module"),
+    (lambda: jlf.policy_view(object(), POLICY), TypeError, "expects a flax.nnx Module"),
+    (lambda: jlf.policy_view(Pair(nnx.Rngs(0)), POLICY), TypeError, "immutable container"),
+    (lambda: jlf.policy_view(Pair(nnx.Rngs(0)), "c=e4m3"), ValueError, "fp8"),
+  ],
+)
+def test_bad_input_is_rejected(make, error, match):
+  with pytest.raises(error, match=match):
+    make()

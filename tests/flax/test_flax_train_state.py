@@ -1,0 +1,122 @@
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax_testing import F32, LinenConvNet, LinenLM, images, jit, lm_loss, tokens
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+
+F16_POLICY = "params=float32,compute=float16,output=float32"
+
+
+def _train_step(state, toks):
+  def loss_fn(params):
+    return lm_loss(state.apply_fn({"params": params}, toks), toks)
+
+  loss, grads = state.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def test_linen_model_trains_in_fp16_with_dynamic_loss_scaling():
+  model, toks = LinenLM(), tokens()
+  params = jit(model.init)(jax.random.key(0), toks)["params"]
+
+  step = jit(_train_step)
+  initial = jlf.TrainState.create(
+    apply_fn=model.apply,
+    params=params,
+    tx=optax.adam(3e-2),
+    policy=F16_POLICY,
+    loss_scale=jl.DynamicLossScale(jnp.float32(2.0**10), period=2),
+  )
+  state = initial
+  assert state.policy == jl.get_policy(F16_POLICY)
+  losses = []
+  for _ in range(4):
+    state, loss = step(state, toks)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0] - 0.3
+  assert int(state.step) == 4 and int(state.loss_scaling_state.skipped_steps) == 0
+  assert float(state.loss_scale.loss_scale) == 2.0**12  # grew twice (period=2)
+  # Persistent state: fp32 master weights and optimizer state, no 16-bit copy.
+  leaves = jax.tree.leaves((state.params, state.opt_state.inner_state))
+  assert {x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)} == {F32}
+
+  # A scale that overflows fp16: the step is skipped, nothing moves, the scale halves.
+  # (Same state structure as before, so the step is not compiled again.)
+  huge = jl.DynamicLossScale(jnp.float32(2.0**40), period=2)
+  state = initial.replace(opt_state=initial.opt_state._replace(loss_scale=huge))
+  new, _ = step(state, toks)
+  assert not bool(new.loss_scaling_state.last_finite)
+  assert int(new.loss_scaling_state.skipped_steps) == 1
+  assert float(new.loss_scale.loss_scale) == 2.0**39
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert int(new.opt_state.inner_state[0].count) == 0  # Adam did not advance
+
+
+class StateWithStats(jlf.TrainState):
+  batch_stats: Any = None
+
+
+def test_subclass_with_batch_stats_and_no_loss_scaling():
+  model, x = LinenConvNet(), images()
+  variables = jit(model.init)(jax.random.key(0), x)
+  state = StateWithStats.create(
+    apply_fn=model.apply,
+    params=variables["params"],
+    tx=optax.sgd(0.1),
+    policy="p=f32,c=bf16,o=f32",
+    batch_stats=variables["batch_stats"],
+  )
+  assert isinstance(state.loss_scale, jl.NoOpLossScale)
+  with pytest.raises(ValueError, match="loss_scaling"):
+    state.loss_scaling_state  # noqa: B018
+
+  @jit
+  def step(state):
+    def loss_fn(params):
+      logits, new = state.apply_fn(
+        {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+      )
+      return jnp.mean(logits**2), new["batch_stats"]
+
+    (loss, stats), grads = state.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=stats), loss
+
+  new, loss = step(state)
+  assert loss.dtype == F32
+  assert {v.dtype for v in jax.tree.leaves((new.params, new.batch_stats))} == {F32}
+  assert not np.allclose(
+    new.batch_stats["BatchNorm_0"]["var"], state.batch_stats["BatchNorm_0"]["var"]
+  )
+
+
+def test_params_are_stored_in_the_policy_param_dtype():
+  model, toks = nn.Dense(3), jnp.ones((2, 4))
+  params = jax.eval_shape(model.init, jax.random.key(0), toks)["params"]
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+  state = jlf.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax.sgd(1.0), policy="bf16"
+  )
+  assert {p.dtype for p in jax.tree.leaves((state.params, state.opt_state))} <= {
+    np.dtype(jnp.bfloat16)
+  }
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"apply_fn": lambda v, x: x, "policy": F16_POLICY}, "apply_fn=model.apply"),
+    ({"apply_fn": nn.Dense(3).init, "policy": F16_POLICY}, "apply_fn=model.apply"),
+    ({"apply_fn": nn.Dense(3).apply, "overrides": {nn.Dense: "f32"}}, "only apply together"),
+  ],
+)
+def test_create_rejects_inconsistent_arguments(kwargs, match):
+  with pytest.raises(TypeError, match=match):
+    jlf.TrainState.create(params={}, tx=optax.sgd(1.0), **kwargs)
