@@ -123,7 +123,7 @@ def test_residual_blocks_match_fp32():
 def test_boundary_statistics_match_numpy():
   # Two stages; the cotangent at the boundary is exactly c * S_1.
   c = np.asarray([0.0, 2.0**-20, -3 * 2.0**-12, 2.0**-3, 1.5, -(2.0**-30), 0.0, 5.0], np.float32)
-  scale = jl.LayerwiseLossScale({"a": 0, "b": 1}, initial_scale=2.0**10)
+  scale = jl.LayerwiseLossScale({"a": 0, "b": 1}, initial_scale=2.0**10, histograms=True)
 
   def fun(p, c):
     h = jl.stage_boundary(p["a"] * jnp.ones(8, jnp.float32), 0)
@@ -150,7 +150,7 @@ def test_boundary_statistics_match_numpy():
 def test_scale_rule_and_predicted_underflow():
   # One stage, one parameter: the gradient of sum(w * c) is c.
   c = np.asarray([3.0, 2.0**-40, 2.0**-20, 1.0], np.float32)
-  scale = jl.LayerwiseLossScale({"w": 0}, initial_scale=1.0, margin_bits=1)
+  scale = jl.LayerwiseLossScale({"w": 0}, initial_scale=1.0, margin_bits=1, histograms=True)
   tx = jl.loss_scaling(optax.sgd(0.0), scale)
   state = tx.init({"w": jnp.zeros(4)})
   grads = {"w": jnp.asarray(c)}  # already "scaled" by S = 1
@@ -237,6 +237,7 @@ def test_scanned_stack_with_traced_boundary_index():
   )
   _, grads = scale.scaled_value_and_grad(model)(params, x, y)
   assert np.all(np.asarray(grads.boundary_stats.amax) > 0)
+  assert not np.any(np.asarray(grads.boundary_stats.histogram))  # histograms are opt-in
   unscaled = scale.unscale(grads.grads)
   ref = jax.grad(model)(params, x, y, dtype=jnp.float32)
   for name in ("stack", "head"):
