@@ -387,12 +387,12 @@ class AuditConfig:
 class _FrameFilter:
   """Classifies source files: JAX internals, other libraries, or the user's code."""
 
-  def __init__(self, library_paths: Sequence[str]):
+  def __init__(self, library_paths: Collection[str]):
     def norm(p):
       return os.path.join(os.path.realpath(p), "")
 
     self._internal = tuple(
-      norm(os.path.dirname(m.__file__)) for m in (jax, jaxlib) if getattr(m, "__file__", None)
+      norm(os.path.dirname(str(m.__file__))) for m in (jax, jaxlib) if getattr(m, "__file__", None)
     )
     stdlib = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} - {None}
     self._stdlib = tuple(norm(p) for p in stdlib)
@@ -526,7 +526,8 @@ class _Graph:
   def sources(self, atom: Any, through: Collection[str]) -> Iterator[Any]:
     """The producers reachable back from ``atom`` through ``through`` ops
     (all operands; only the cases of a ``select_n``)."""
-    todo, seen = [atom], set()
+    todo: list[Any] = [atom]
+    seen: set[Any] = set()
     while todo and len(seen) < 64:
       a = todo.pop()
       if _jaxpr.is_literal(a) or a in seen:
@@ -543,7 +544,8 @@ class _Graph:
 
   def forward(self, var: Any) -> list[Any]:
     """``var`` and the variables derived from it through transparent ops."""
-    out, todo = [], [var]
+    out: list[Any] = []
+    todo: list[Any] = [var]
     while todo and len(out) < 64:
       v = todo.pop()
       out.append(v)
@@ -556,7 +558,7 @@ class _Graph:
     """Follows ``atom`` back through ``through`` ops (along their first operand
     that is not a literal). Returns the first other producer (or None), the
     eqns passed through, and the variable that producer outputs."""
-    chain = []
+    chain: list[Any] = []
     for _ in range(32):
       if _jaxpr.is_literal(atom):
         return None, chain, atom
@@ -758,15 +760,16 @@ class _Auditor:
     if name == "div":
       a, b = ranges
       if b.bounded and b.lo == b.hi and abs(b.lo) >= 1:  # a mean: sum / n
-        return _Range(*sorted((a.lo / b.lo, a.hi / b.lo)))
+        lo, hi = sorted((a.lo / b.lo, a.hi / b.lo))
+        return _Range(lo, hi)
       return _Range(-math.inf, math.inf, a.expanded_by)
     if name in ("max", "min"):
       a, b = ranges
       pick = max if name == "max" else min
       return _Range(pick(a.lo, b.lo), pick(a.hi, b.hi), _expanded(a, b))
     if name == "clamp":
-      lo, x, hi = ranges
-      return _Range(max(lo.lo, min(x.lo, hi.hi)), min(hi.hi, max(x.hi, lo.lo)))
+      low, x, high = ranges
+      return _Range(max(low.lo, min(x.lo, high.hi)), min(high.hi, max(x.hi, low.lo)))
     if name in ("exp", "exp2", "expm1"):
       base = {"exp": math.exp, "exp2": lambda x: 2.0**x, "expm1": math.expm1}[name]
       if self.nonpositive_argument(graph, eqn):
@@ -1041,7 +1044,7 @@ class _Auditor:
     lhs, rhs = eqn.invars[:2]
     in_dtype = self.low(lhs) or self.low(rhs)
     out_dtype = _dtype(eqn.outvars[0])
-    if in_dtype is None or out_dtype not in self.formats:
+    if in_dtype is None or out_dtype is None or out_dtype not in self.formats:
       return
     if eqn.primitive.name == "dot_general":
       (lhs_contract, _), _ = eqn.params["dimension_numbers"]
@@ -1170,7 +1173,7 @@ def audit_jaxpr(jaxpr: Any, audit_config: AuditConfig | None = None) -> AuditRep
     raise TypeError(f"Expected a jaxpr (ClosedJaxpr or Jaxpr), got {type(jaxpr).__name__}.")
   auditor = _Auditor(config)
   auditor.visit(inner, consts, [_UNKNOWN] * len(inner.invars), _Context("", False, None, None))
-  return AuditReport(tuple(auditor.findings), auditor.num_operations, config.formats)
+  return AuditReport(tuple(auditor.findings), auditor.num_operations, tuple(config.formats))
 
 
 def audit(

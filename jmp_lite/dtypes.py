@@ -21,7 +21,12 @@ DTypeLike = Any  # a dtype name, np.dtype, or scalar type such as jnp.bfloat16
 
 
 class FormatInfo(NamedTuple):
-  """Range and precision of one floating-point format."""
+  """Range and precision of one floating-point format.
+
+  >>> info = FORMATS["float16"]
+  >>> info.max, info.min_subnormal == 2.0**-24, info.epsilon == 2.0**-10
+  (65504.0, True, True)
+  """
 
   name: str
   dtype: np.dtype
@@ -101,6 +106,9 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
   Raises:
     ValueError: for an unknown name.
     TypeError: for a dtype that is not floating point.
+
+  >>> parse_dtype("bf16"), parse_dtype(" Float16 "), parse_dtype(jnp.float32)
+  (dtype(bfloat16), dtype('float16'), dtype('float32'))
   """
   if value is None:  # np.dtype(None) would silently mean float64
     raise TypeError(

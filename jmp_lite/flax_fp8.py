@@ -114,7 +114,7 @@ def _as_config(spec: Any) -> fp8.Fp8Config | None:
 def _linen_variables(module: nn.Module, config: fp8.Fp8Config):
   """The layer's fp8 state (created at init) and its amax probe, if given."""
   if module.has_variable(STATE_COLLECTION, VARIABLE_NAME):
-    state = module.get_variable(STATE_COLLECTION, VARIABLE_NAME)
+    state: Any = module.get_variable(STATE_COLLECTION, VARIABLE_NAME)
   elif module.is_mutable_collection(STATE_COLLECTION):
     state = module.variable(STATE_COLLECTION, VARIABLE_NAME, fp8.init_dot_state, config).value
   else:

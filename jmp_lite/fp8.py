@@ -386,7 +386,7 @@ def update(state: Any, amax: Any, config: Fp8Config | None = None, *, axis_name:
   config = _as_config(config)
   if axis_name is not None:
     amax = reduce_amax(amax, axis_name)
-  kw = {"margin": config.margin, "amax_compute_algo": config.amax_compute_algo}
+  kw: dict[str, Any] = {"margin": config.margin, "amax_compute_algo": config.amax_compute_algo}
 
   def update_dot(dot_state: Any, dot_amax: Any) -> Fp8DotState:
     if not isinstance(dot_state, Fp8DotState):
@@ -463,7 +463,7 @@ def _result_sharding(operand: jax.Array, axes: list[int]) -> Any:
 
 
 def _aval(x: Any) -> Any:
-  return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+  return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # type: ignore[attr-defined]
 
 
 def _dot(lhs, rhs, dims, out_sharding=None) -> jax.Array:
@@ -491,7 +491,7 @@ def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
     return x
   if hasattr(lax, "pcast"):
     return lax.pcast(x, _sorted_axes(axes), to="varying")
-  return lax.pvary(x, _sorted_axes(axes))
+  return lax.pvary(x, _sorted_axes(axes))  # type: ignore[attr-defined]  # older JAX
 
 
 def _match_varying(amax: jax.Array, axes: frozenset) -> jax.Array:
@@ -617,7 +617,7 @@ def _check_dot_state(state: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     if scale.shape != ():
       raise ValueError(f"state.{name}.scale must be a scalar, got shape {scale.shape}.")
     scales.append(scale)
-  return tuple(scales)
+  return scales[0], scales[1], scales[2]
 
 
 def _check_probe(amax: Any) -> Fp8DotAmax:

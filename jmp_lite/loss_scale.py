@@ -157,7 +157,14 @@ def _unscale_tree(tree: T, scale: jax.Array) -> T:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale:
-  """A loss scale of 1: scale and unscale return their input unchanged."""
+  """A loss scale of 1: scale and unscale return their input unchanged.
+
+  With :func:`jmp_lite.loss_scaling` it still skips steps with non-finite
+  gradients, which is what bf16 training needs.
+
+  >>> NoOpLossScale().scale(jnp.float32(3.0)).item()
+  3.0
+  """
 
   @property
   def loss_scale(self) -> np.ndarray:
@@ -182,6 +189,13 @@ class StaticLossScale:
   S turns a fp16 loss into fp32, as in jmp); ``unscale`` multiplies by 1/S in
   at least fp32, so fp16/bf16 gradients come back as fp32. Non-floating leaves
   (integers, ``float0`` gradients) pass through.
+
+  >>> scale = StaticLossScale(2.0**10)
+  >>> scale.scale(jnp.float32(0.5)).item()
+  512.0
+  >>> grads = scale.unscale({"w": jnp.full(2, 1024.0, jnp.float16)})
+  >>> grads["w"].dtype.name, grads["w"].tolist()
+  ('float32', [1.0, 1.0])
   """
 
   loss_scale: jax.Array
@@ -243,14 +257,14 @@ class DynamicLossScale:
   """
 
   loss_scale: jax.Array
-  counter: jax.Array = 0
+  counter: jax.Array = 0  # type: ignore[assignment]  # made an array in __post_init__
   period: int = 2000
   factor: float = 2
   min_loss_scale: float = 1.0
   _: dataclasses.KW_ONLY
   max_loss_scale: float | None = None
   hysteresis: int = 1
-  overflow_streak: jax.Array = 0
+  overflow_streak: jax.Array = 0  # type: ignore[assignment]  # made an array in __post_init__
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -336,6 +350,11 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   ``pmap`` or ``vmap``) the answer is combined across that axis, so every
   device takes the same decision. Under sharded ``jit`` no axis name is needed:
   the reduction is already global.
+
+  >>> all_finite({"w": jnp.ones(3), "step": jnp.array(7)}).item()
+  True
+  >>> all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf], jnp.float16)]).item()
+  False
   """
   leaves = [
     x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
@@ -366,6 +385,9 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
 
   ``pred`` must be a boolean scalar (checked at trace time); matching leaves
   must have the same shape and dtype.
+
+  >>> select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"].tolist()
+  [0.0, 0.0]
   """
   pred = _check_predicate(pred, "pred")
   return jax.tree_util.tree_map(lambda x, y: lax.select(pred, jnp.asarray(x), jnp.asarray(y)), a, b)

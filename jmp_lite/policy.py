@@ -12,7 +12,7 @@ and backward pass, and returns outputs (e.g. logits fed to the loss) in fp32::
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +62,27 @@ class Policy:
 
   Only floating-point array leaves (``jax.Array`` or ``np.ndarray``) are cast;
   integer arrays, Python scalars and other leaves pass through unchanged.
+
+  >>> policy = Policy("float32", "bfloat16", "float32")
+  >>> params = {"w": jnp.ones((2, 2)), "step": jnp.array(3)}
+  >>> jax.tree.map(lambda x: x.dtype.name, policy.cast_to_compute(params))
+  {'step': 'int32', 'w': 'bfloat16'}
+  >>> policy.cast_to_output(jnp.ones(2, jnp.bfloat16)).dtype.name
+  'float32'
   """
 
   param_dtype: np.dtype
   compute_dtype: np.dtype
   output_dtype: np.dtype
+
+  if TYPE_CHECKING:  # The dataclass __init__ accepts names too; __post_init__ parses them.
+
+    def __init__(
+      self,
+      param_dtype: dtypes.DTypeLike,
+      compute_dtype: dtypes.DTypeLike,
+      output_dtype: dtypes.DTypeLike,
+    ) -> None: ...
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -121,6 +137,14 @@ def get_policy(policy_name: str | Policy) -> Policy:
     ValueError: for an empty string, an unknown or repeated key, a part that is
       not ``key=value``, or an unknown dtype name.
     TypeError: for a non-string argument or a non-floating dtype.
+
+  >>> policy = get_policy("params=float32, compute=float16, output=float32")
+  >>> policy.compute_dtype.name, str(policy)
+  ('float16', 'p=f32,c=f16,o=f32')
+  >>> str(get_policy("c=bf16")), str(get_policy("mixed_float16"))
+  ('p=f32,c=bf16,o=bf16', 'p=f32,c=f16,o=f16')
+  >>> get_policy("p=f32,c=bf16,o=f32") == get_policy("p=f32,c=bf16,o=f32")  # hashable, jit-static
+  True
   """
   if isinstance(policy_name, Policy):
     return policy_name
@@ -164,7 +188,11 @@ def get_policy(policy_name: str | Policy) -> Policy:
 
 
 def cast_to_full(tree: T) -> T:
-  """Casts the floating-point leaves of ``tree`` to float32."""
+  """Casts the floating-point leaves of ``tree`` to float32.
+
+  >>> cast_to_full({"h": jnp.ones(2, jnp.float16), "n": jnp.arange(2)})["h"].dtype.name
+  'float32'
+  """
   return _cast_floating_to(tree, np.dtype(jnp.float32))
 
 

@@ -200,10 +200,15 @@ def conv_general_dilated(
   applies (the input and weight gradients accumulate in fp32 too).
   """
   if not _accumulates_in_16bit(lhs, rhs, preferred_element_type):
-    return lax.conv_general_dilated(
-      lhs, rhs, *args, preferred_element_type=preferred_element_type, **kwargs
+    # *args are conv_general_dilated's positional arguments before preferred_element_type.
+    return lax.conv_general_dilated(  # type: ignore[misc]
+      lhs,  # type: ignore[arg-type]
+      rhs,  # type: ignore[arg-type]
+      *args,
+      preferred_element_type=preferred_element_type,
+      **kwargs,
     )
-  op = lambda a, b, accumulation: lax.conv_general_dilated(
+  op = lambda a, b, accumulation: lax.conv_general_dilated(  # type: ignore[misc]
     a, b, *args, preferred_element_type=accumulation, **kwargs
   )
   return _accumulate_in_fp32(op, jnp.asarray(lhs), jnp.asarray(rhs))

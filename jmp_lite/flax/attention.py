@@ -120,9 +120,10 @@ def dot_product_attention(
   the (promoted) input dtype.
 
   Args:
-    query, key, value, bias, mask, broadcast_dropout, dropout_rng,
-      dropout_rate, deterministic, dtype, precision, module, is_causal: as in
-      :func:`flax.linen.dot_product_attention` / :func:`flax.nnx.dot_product_attention`.
+    query, key, value, bias, mask: as in :func:`flax.linen.dot_product_attention`
+      and :func:`flax.nnx.dot_product_attention`, as are ``broadcast_dropout``,
+      ``dropout_rng``, ``dropout_rate``, ``deterministic``, ``dtype``,
+      ``precision``, ``module`` and ``is_causal``.
     force_fp32_for_softmax: ignored: the softmax is always computed in fp32
       (linen's attention module passes its own default, ``False``; swapping
       this function in is how a policy asks for fp32).
@@ -158,7 +159,9 @@ def dot_product_attention(
       f"{value.shape[-2]}), which must match."
     )
 
-  if qk_attn_weights_einsum is None:
+  qk_einsum: Callable[..., jax.Array]
+  pv_einsum: Callable[..., jax.Array]
+  if qk_attn_weights_einsum is None or attn_weights_value_einsum is None:  # both, see above
     dot = einsum_dot_general or accumulate.dot_general
     qk_einsum = functools.partial(jnp.einsum, precision=precision, _dot_general=dot)
     pv_einsum = qk_einsum
@@ -192,7 +195,7 @@ def dot_product_attention(
       shape = (1,) * (weights.ndim - 2) + weights.shape[-2:]
     else:
       shape = weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)  # type: ignore[arg-type]
     weights = weights * (keep.astype(dtype) / np.asarray(keep_prob, dtype))
   if groups == 1:
     return pv_einsum("...hqk,...khd->...qhd", weights, value)

@@ -144,8 +144,8 @@ def layerwise_stages(
   Args:
     module: an unbound linen module.
     variables: its variables (``{"params": ...}``, plus e.g. ``batch_stats``).
-    *args, **kwargs: example arguments for ``module.apply`` (e.g. a batch and
-      ``train=False``).
+    *args: example positional arguments for ``module.apply`` (e.g. a batch).
+    **kwargs: example keyword arguments for ``module.apply`` (e.g. ``train=False``).
     stage_modules: module classes whose (outermost) calls end a stage.
     sequential_children: also end a stage after each child of an
       ``nn.Sequential``.
@@ -176,12 +176,12 @@ def layerwise_stages(
       f"No stage module ran: none of {[t.__name__ for t in stage_modules]} was called"
       + (" and no nn.Sequential child ran." if sequential_children else ".")
     )
-  overrides = {tuple(k.split("/")): v for k, v in (overrides or {}).items()}
+  by_path = {tuple(k.split("/")): v for k, v in (overrides or {}).items()}
 
   def stage_of(path: tuple) -> int:
     for n in range(len(path), 0, -1):
-      if path[:n] in overrides:
-        return overrides[path[:n]]
+      if path[:n] in by_path:
+        return by_path[path[:n]]
     used = segments.get(path[:-1])
     if used is None:  # its module never ran: the gradient is zero
       return 0
@@ -198,7 +198,7 @@ def layerwise_stages(
   flat = traverse_util.flatten_dict(params.unfreeze() if isinstance(params, FrozenDict) else params)
   param_stages = traverse_util.unflatten_dict({path: stage_of(path) for path in flat})
   num_stages = len(recorder.stage_calls) + 1
-  bad = {k: v for k, v in overrides.items() if not 0 <= v < num_stages}
+  bad = {k: v for k, v in by_path.items() if not 0 <= v < num_stages}
   if bad:
     raise ValueError(f"overrides {bad} name stages outside [0, {num_stages}).")
   return LayerwiseStages(param_stages, num_stages, tuple(recorder.stage_calls), is_stage)

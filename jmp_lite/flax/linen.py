@@ -188,6 +188,19 @@ def policy_apply(
     apply_fn = jl.flax.policy_apply(model, "p=f32,c=bf16,o=f32",
                                     overrides={MyAttention: "f32"})
     logits = apply_fn(variables, x, train=True, rngs={"dropout": key})
+
+  A model written with default dtypes, run in bf16 with fp32 LayerNorm:
+
+  >>> import flax.linen as nn
+  >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+  >>> x = jnp.ones((4, 3))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> apply_fn = jl.flax.policy_apply(model, "p=f32,c=bf16,o=f32")
+  >>> apply_fn(variables, x).dtype.name
+  'float32'
+  >>> grads = jax.grad(lambda v: apply_fn(v, x).sum())(variables)
+  >>> grads["params"]["layers_0"]["kernel"].dtype.name  # gradients of the fp32 masters
+  'float32'
   """
   _check_module(module, "policy_apply")
   policies = ModulePolicies(
@@ -225,7 +238,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
       dtype = nearest(path[:-1], owners)
       return cast_floating(value, dtype if dtype is not None else policies.policy.compute_dtype)
 
-    cast = {**variables, _PARAMS: _map_params(params, cast_param)}
+    cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
     if isinstance(variables, FrozenDict):
       cast = FrozenDict(cast)
     with nn.intercept_methods(_Interceptor(policies, None)):

@@ -299,7 +299,9 @@ class ModulePolicies:
       raise TypeError(
         f"overrides must be a mapping from module class to ModulePolicy, got {overrides!r}."
       )
-    table = dict(DEFAULT_OVERRIDES) if use_default_overrides else {}
+    table: dict[type, ModulePolicy | None] = (
+      dict(DEFAULT_OVERRIDES) if use_default_overrides else {}
+    )
     for cls, value in (overrides or {}).items():
       if not (isinstance(cls, type) and issubclass(cls, (nn.Module, nnx.Module))):
         raise TypeError(f"override keys must be Flax linen or NNX module classes, got {cls!r}.")
@@ -367,6 +369,7 @@ class ModulePolicies:
     key = (cls, context)
     if key not in self._cache:
       override = self.module_policy(cls)
+      attributes: Mapping[str, Any]
       if override is None:  # inherit the context
         compute, output, root_output = context, context, self.policy.output_dtype
         attributes, recompute = types.MappingProxyType({}), False
@@ -376,7 +379,7 @@ class ModulePolicies:
         root_output = override.output_dtype or self.policy.output_dtype
         attributes = override.attributes
         recompute = override.recompute and compute != context
-      hooks = ()
+      hooks: tuple[Hook, ...] = ()
       if accumulate.is_16bit_float(compute):
         enabled = {"accumulation": self.fp32_accumulation, "softmax": self.fp32_softmax}
         hooks = tuple(

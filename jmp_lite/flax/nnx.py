@@ -152,6 +152,14 @@ def policy_view(
   Raises:
     TypeError: if ``model`` is not an NNX module (or a linen one: use
       :func:`~jmp_lite.flax.policy_apply`).
+
+  >>> from flax import nnx
+  >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  >>> view = jl.flax.policy_view(model, "p=f32,c=bf16,o=f32")
+  >>> view.kernel.dtype.name, model.kernel.dtype.name
+  ('bfloat16', 'float32')
+  >>> view(jnp.ones((4, 3))).dtype.name
+  'float32'
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(
@@ -182,7 +190,7 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> Any:
 
   # split hands out the model's own Variable objects and merge(copy=False)
   # reuses them: the view gets new Params but shares all other state.
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   view = nnx.merge(graphdef, nnx.map_state(cast_param, params), rest, copy=False)
 
   def wrap(path: tuple, node: Any) -> Any:

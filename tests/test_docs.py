@@ -1,0 +1,110 @@
+"""The guides' code runs, and the generated parts of the docs cover the code.
+
+A ```python block directly preceded by a line ``<!-- tested ... -->`` in ``docs/*.md`` is run;
+the blocks of one page run in order in one namespace. (The full docs build, warnings as errors,
+is in ``test_static_checks.py``.)
+"""
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+import jmp_lite
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+TESTED_BLOCK = re.compile(r"^<!-- tested[^\n]*-->\n```python\n(.*?)^```", re.S | re.M)
+PAGES = sorted(p.name for p in DOCS.glob("*.md") if TESTED_BLOCK.search(p.read_text()))
+
+
+def test_guides_have_tested_examples():
+  assert {"getting-started.md", "recipe.md", "multi-device.md", "checkpointing.md"} <= set(PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_guide_examples_run(page, capsys):
+  text = (DOCS / page).read_text()
+  namespace: dict = {"__name__": f"docs.{page}"}
+  for match in TESTED_BLOCK.finditer(text):
+    line = text.count("\n", 0, match.start(1)) + 1
+    # Padding keeps tracebacks pointing at the right line of the page.
+    code = "\n" * (line - 1) + match.group(1)
+    exec(compile(code, str(DOCS / page), "exec"), namespace)
+
+
+@pytest.fixture(scope="module")
+def docs_ext():
+  sys.path.insert(0, str(DOCS / "_ext"))
+  try:
+    import jmp_lite_docs
+
+    yield jmp_lite_docs
+  finally:
+    sys.path.remove(str(DOCS / "_ext"))
+
+
+def test_formats_table_is_generated_from_the_formats(docs_ext):
+  table = "\n".join(docs_ext.formats_table())
+  for name, info in jmp_lite.FORMATS.items():
+    assert f"``{name}``" in table
+    assert f"(1/{info.exponent_bits}/{info.mantissa_bits})" in table
+  assert "65504" in table and "2^-24" in table and "448" in table and "57344" in table
+  assert "yes" in table and "no" in table
+
+
+@pytest.mark.parametrize("module", ["jmp_lite", "jmp_lite.flax", "jmp_lite.fp8"])
+def test_api_reference_covers_all(docs_ext, module):
+  entries = "\n".join(docs_ext.api_entries(module, skip=set()))
+  mod = sys.modules[module]
+  for name in mod.__all__:
+    if name in ("flax", "fp8"):  # submodules: pages of their own
+      assert (DOCS / "api" / f"{name}.md").exists()
+      continue
+    entry = rf"^\.\. (auto\w+|py:data):: {re.escape(module)}\.{name}$"
+    assert re.search(entry, entries, re.M), name
+
+
+def test_docs_pages_are_in_the_toctree():
+  index = (DOCS / "index.md").read_text()
+  for page in DOCS.glob("*.md"):
+    if page.stem != "index":
+      assert re.search(rf"^{re.escape(page.stem)}$", index, re.M), f"{page.name} not in the toctree"
+
+
+def _readme_step() -> str:
+  readme = (ROOT / "README.md").read_text()
+  section = readme.split("## A training step", 1)[1]
+  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_training_step_is_15_lines_and_runs():
+  import jax
+  import jax.numpy as jnp
+
+  code = _readme_step()
+  assert len(code.splitlines()) <= 15
+
+  class Model:  # what the README leaves to the reader: a model, a loss, parameters
+    def apply(self, params, x):
+      return x @ params["w"]
+
+  def cross_entropy(logits, labels):
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * labels, axis=-1))
+
+  namespace = {"model": Model(), "cross_entropy": cross_entropy, "params": {"w": jnp.ones((4, 3))}}
+  exec(compile(code, "README.md", "exec"), namespace)
+  x, y = jnp.ones((2, 4)), jax.nn.one_hot(jnp.array([0, 2]), 3)
+  params, opt_state, loss = namespace["train_step"](
+    namespace["params"], namespace["opt_state"], x, y
+  )
+  assert params["w"].dtype == jnp.float32 and jnp.isfinite(loss)
+  assert int(jmp_lite.get_loss_scaling_state(opt_state).steps) == 1
+
+
+def test_readme_links_resolve():
+  readme = (ROOT / "README.md").read_text()
+  for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+    if not target.startswith("http"):
+      assert (ROOT / target).exists(), f"README links to missing {target}"
