@@ -1,0 +1,92 @@
+"""Smoke tests of the layer-wise experiment and benchmark scripts (``--quick`` mode).
+
+Both run in-process (JAX is already initialised) on tiny models: the checks are
+on the structure and sanity of the JSON they write, not on the figures.
+"""
+
+import json
+import math
+
+import pytest
+
+from benchmarks import layerwise_overhead, layerwise_underflow
+
+
+def _fraction(x):
+  return isinstance(x, float) and 0.0 <= x <= 1.0
+
+
+@pytest.fixture(scope="module")
+def underflow_results(tmp_path_factory):
+  out = tmp_path_factory.mktemp("layerwise_underflow")
+  layerwise_underflow.main(["--quick", "--out", str(out), "--no-plot"])
+  with open(out / "layerwise_underflow.json") as f:
+    results = json.load(f)
+  assert (out / "layerwise_underflow.md").read_text().count("| layer |") == len(results["tasks"])
+  return results
+
+
+def test_underflow_json_structure(underflow_results):
+  config = underflow_results["config"]
+  assert config["quick"] and config["methods"] == list(layerwise_underflow.METHODS)
+  assert [t["task"] for t in underflow_results["tasks"]] == ["deep_tanh", "residual"]
+  for task in underflow_results["tasks"]:
+    layers = len(task["layer_names"])
+    assert set(task) >= {"spread_bits", "static_sweeps", "static_log2_scale", "methods", "targets"}
+    assert set(task["methods"]) == set(layerwise_underflow.METHODS)
+    for name, method in task["methods"].items():
+      assert len(method["loss_curve"]) > 1
+      assert all(math.isfinite(x) and x > 0 for x in method["loss_curve"])
+      assert all(math.isfinite(x) for x in method["eval_loss"])
+      assert all(isinstance(s, int) and 0 <= s < config["steps"] for s in method["skipped_steps"])
+      if name in layerwise_underflow.SCALED_METHODS:
+        assert len(method["underflow_per_layer"]) == layers
+        assert all(_fraction(x) for x in method["underflow_per_layer"])
+        assert _fraction(method["underflow_max_layer"])
+        below = method["underflow_below_range_per_layer"]
+        assert all(
+          b <= u + 1e-12 for b, u in zip(below, method["underflow_per_layer"], strict=True)
+        )
+    assert len(task["methods"]["layerwise"]["final_log2_scale"][0]) == layers
+    sweep = task["static_sweeps"][0]
+    assert len(sweep["total_underflow"]) == len(sweep["log2_scales"])
+    assert not sweep["overflow"][sweep["log2_scales"].index(task["static_log2_scale"][0])]
+    targets = task["targets"]
+    assert isinstance(targets["layerwise_every_layer_at_or_below_target"], bool)
+    assert targets["underflow_fraction"] == config["underflow_fraction"]
+
+
+def test_underflow_values_are_sane(underflow_results):
+  deep = underflow_results["tasks"][0]
+  methods = deep["methods"]
+  # Without scaling fp16 loses gradient values that a good scale keeps.
+  assert methods["fp16"]["underflow_max_layer"] > 0
+  assert methods["layerwise"]["underflow_max_layer"] <= methods["fp16"]["underflow_max_layer"]
+  assert methods["static"]["underflow_max_layer"] <= methods["fp16"]["underflow_max_layer"]
+  # The reference measures the gradient spread of the deep tanh net (grows with depth).
+  assert deep["spread_bits"][0]["first_to_last_at_start"] > 0
+
+
+def test_overhead_json(tmp_path):
+  path = tmp_path / "overhead.json"
+  res = layerwise_overhead.main(["--quick", "--json", str(path)])
+  with open(path) as f:
+    assert json.load(f) == json.loads(json.dumps(res))
+  expected = {v for v in layerwise_overhead.VARIANTS if not v.endswith("_histograms")}
+  assert set(res["variants"]) == expected
+  for variant in res["variants"].values():
+    assert variant["median_ms"] > 0 and variant["ratio_vs_dynamic"] > 0
+    assert variant["skipped_steps"] >= 0
+  assert res["variants"]["dynamic"]["ratio_vs_dynamic"] == 1.0
+  for name, target in layerwise_overhead.TARGETS.items():
+    assert res["variants"][name]["target"] == target
+    assert isinstance(res["variants"][name]["meets_target"], bool)
+    assert res["variants"][name]["judged_ratio"] >= res["variants"][name]["ratio_vs_dynamic"]
+  p1, pinf = (res["variants"][v]["ratio_vs_dynamic"] for v in ("layerwise_p1", "layerwise_pinf"))
+  assert math.isclose(
+    res["variants"]["layerwise_p100"]["ratio_amortized"], pinf + (p1 - pinf) / 100
+  )
+  # Every layer-wise variant ran with one stage per layer and ended with finite scales.
+  for name in ("layerwise_p1", "layerwise_p100", "layerwise_pinf"):
+    scales = res["variants"][name]["final_log2_scales"]
+    assert len(scales) == res["config"]["stages"] and all(math.isfinite(x) for x in scales)
