@@ -1,0 +1,528 @@
+"""Mixed precision recipes side by side: one example, every recipe, the same seed.
+
+Trains one example (default: the character-level transformer LM of
+:mod:`examples.charlm`) under each recipe of :data:`examples.common.RECIPES`
+from the same initialization on the same batches, then prints a table (final
+train/validation loss, accuracy or bits per character, skipped steps, final
+loss scale, step time, compiled memory) and writes, to ``--out``:
+
+* ``<example>_compare.json``: everything measured, for machines;
+* ``<example>_compare.md``: the table;
+* ``<example>_loss.png``: loss curves per recipe;
+* ``<example>_loss_scale.png``: the loss-scale trajectories;
+* ``<example>_fp8_vs_bf16.png``: the fp8 recipe's loss against bf16's;
+* ``<example>_grad_histogram.png``: exponents of the activation gradients
+  against fp16's representable range, unscaled and at the dynamic scale
+  (the histogram of Micikevicius et al. 2018, Fig. 3);
+* ``<example>_underflow.png``: per layer, the fraction of activation gradients
+  fp16 flushes to zero without scaling and with it, and the parameter
+  gradients that came out exactly zero in the unscaled fp16 run.
+
+**The underflow scenario** (on by default for the LM): the loss is this
+process's share of a data-parallel global batch of 2^19 = 524,288 tokens
+(``--replicas``; see :class:`examples.common.TrainConfig`), the per-device
+view of a sharded global mean. The gradient of the loss with respect to each
+logit is then ``(p - onehot) / 2^19``, and fp16 without a loss scale flushes
+most activation gradients to zero: that run trains far worse than fp32 without
+a warning, a NaN or a skipped step. docs/examples.md explains the numbers.
+
+Run: python -m examples.compare                      (3-4 minutes on 2 CPU cores)
+     python -m examples.compare --example digits
+     python -m examples.compare --recipes fp32,fp16,fp16-dynamic --steps 1000
+     python -m examples.compare --replicas 1          (no underflow scenario)
+     python -m examples.compare --quick --out /tmp/c  (small, for tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform as platform_lib
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax
+import jax
+import numpy as np
+import optax
+
+import jmp_lite as jl
+from examples import charlm, common, digits
+
+EXAMPLES = {"charlm": charlm, "digits": digits}
+DEFAULT_RECIPES = {
+  "charlm": tuple(common.RECIPES),
+  "digits": tuple(r for r in common.RECIPES if not common.RECIPES[r].fp8),
+}
+MIB = 2.0**20
+TIMING = {"cpu": (15, 2), "quick": (1, 3), "accelerator": (25, 4)}
+"""(rounds, steps per round) of the interleaved step timing: many short rounds, so that a
+change in the machine's load lands on every recipe alike."""
+COMPARE_DEFAULTS = {"cpu": {"steps": 200, "eval_every": 25}}
+"""Where the comparison's defaults differ from the example's preset (flags given win): seven
+recipes of 200 steps fit the Quickstart's few minutes on 2 CPU cores."""
+
+
+def scenario_replicas(example: str, model_config: Any) -> int:
+  """R for the underflow scenario: a global batch of charlm.GLOBAL_BATCH_TOKENS tokens."""
+  if example != "charlm":
+    return 1
+  local = model_config.batch_size * model_config.seq_len
+  return max(1, charlm.GLOBAL_BATCH_TOKENS // local)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m examples.compare",
+    description="Train one example under every mixed precision recipe from the same seed; "
+    "print a table, write plots and JSON.",
+  )
+  parser.add_argument("--example", choices=sorted(EXAMPLES), default="charlm")
+  parser.add_argument(
+    "--recipes",
+    default=None,
+    help="comma-separated recipes (default: all; fp8 only for charlm). " + common.recipe_help(),
+  )
+  common.add_preset_arguments(parser, charlm.PRESETS)
+  parser.add_argument("--out", default="out/examples", help="output directory (%(default)s)")
+  parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+  common.add_train_arguments(
+    parser,
+    charlm.PRESETS["cpu"][1],
+    shown={
+      "steps": f"{COMPARE_DEFAULTS['cpu']['steps']} on CPU",
+      "eval_every": f"{COMPARE_DEFAULTS['cpu']['eval_every']} on CPU",
+      "replicas": "charlm: the underflow scenario, 2^19 tokens / tokens per step; digits: 1",
+    },
+  )
+  return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Table
+
+
+def _fmt_scale(x: float | None) -> str:
+  if x is None:
+    return "-"
+  if x == 1.0:
+    return "1"
+  e = math.log2(x)
+  return f"2^{e:.0f}" if e == round(e) else f"{x:g}"
+
+
+def table_rows(example: str, results: dict[str, common.RunResult]) -> list[dict[str, Any]]:
+  """One row per recipe, in plain values (also stored in the JSON)."""
+  base = results.get("fp32")
+  rows = []
+  for name, r in results.items():
+    f = r.final
+    row: dict[str, Any] = {
+      "recipe": name,
+      "train_loss": f["train_loss"],
+      "val_loss": f["val_loss"],
+      "val_accuracy": f["val_accuracy"],
+      "skipped_steps": len(r.skipped),
+      "final_loss_scale": r.loss_scale[-1] if r.loss_scale_kind != "none" else None,
+      "final_stage_scales": r.stage_scales[-1] if r.stage_scales else None,
+      "step_time_ms": r.step_time_ms,
+      "compile_s": r.compile_s,
+      "memory_mib": r.memory.get("total_bytes", 0) / MIB if r.memory else None,
+      "temp_mib": r.memory.get("temp_size_in_bytes", 0) / MIB if r.memory else None,
+    }
+    if example == "charlm":
+      row["train_bpc"] = charlm.bits_per_char(f["train_loss"])
+      row["val_bpc"] = charlm.bits_per_char(f["val_loss"])
+    if base is not None:
+      row["step_time_vs_fp32"] = r.step_time_ms / base.step_time_ms
+      if row["memory_mib"] and base.memory:
+        row["memory_vs_fp32"] = r.memory["total_bytes"] / base.memory["total_bytes"]
+      row["val_loss_vs_fp32"] = f["val_loss"] - base.final["val_loss"]
+    rows.append(row)
+  return rows
+
+
+def format_table(example: str, rows: list[dict[str, Any]]) -> str:
+  """A Markdown table (also readable as plain text)."""
+  metric = ["val bpc"] if example == "charlm" else []
+  header = [
+    "recipe",
+    "train loss",
+    "val loss",
+    *metric,
+    "val acc",
+    "skipped",
+    "final scale",
+    "step ms",
+    "x fp32",
+    "memory MiB",
+    "x fp32",
+  ]
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  for row in rows:
+    scale = _fmt_scale(row["final_loss_scale"])
+    if row["final_stage_scales"]:
+      scale = "/".join(_fmt_scale(s) for s in row["final_stage_scales"])
+    cells = [
+      row["recipe"],
+      f"{row['train_loss']:.3f}",
+      f"{row['val_loss']:.3f}",
+      *([f"{row['val_bpc']:.3f}"] if metric else []),
+      f"{row['val_accuracy']:.3f}",
+      str(row["skipped_steps"]),
+      scale,
+      f"{row['step_time_ms']:.1f}",
+      f"{row.get('step_time_vs_fp32', float('nan')):.2f}",
+      f"{row['memory_mib']:.1f}" if row["memory_mib"] is not None else "-",
+      f"{row.get('memory_vs_fp32', float('nan')):.2f}",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+
+
+def _ema(values: Sequence[float], alpha: float = 0.1) -> np.ndarray:
+  out, acc = [], None
+  for v in values:
+    acc = v if acc is None else (1 - alpha) * acc + alpha * v
+    out.append(acc)
+  return np.asarray(out)
+
+
+COLORS = {
+  "fp32": "black",
+  "bf16": "tab:blue",
+  "fp16": "tab:red",
+  "fp16-static": "tab:orange",
+  "fp16-dynamic": "tab:green",
+  "fp16-layerwise": "tab:purple",
+  "fp8": "tab:brown",
+}
+
+
+def _leaf_layers(names: Sequence[str]) -> list[str]:
+  """Module outputs that are not containers of other listed modules (and not the root)."""
+  return [
+    n for n in names if n != "output" and not any(m.startswith(n + "/") for m in names if m != n)
+  ]
+
+
+def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
+  """The figures (see the module docstring); returns their paths."""
+  import matplotlib
+
+  matplotlib.use("Agg")  # files only, no display needed
+  import matplotlib.pyplot as plt
+
+  from jmp_lite import plotting
+
+  results = summary["results"]
+  paths = []
+
+  def save(fig, name):
+    path = os.path.join(out, f"{example}_{name}.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    paths.append(path)
+
+  # Loss curves: smoothed training loss and the validation points.
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  for name, r in results.items():
+    color = COLORS.get(name)
+    ax1.plot(_ema(r["train_loss"]), label=name, color=color, linewidth=1.2)
+    ax2.plot(r["eval_steps"], r["val_loss"], "o-", label=name, color=color, markersize=3)
+  ax1.set_title("training loss (EMA 0.1)")
+  ax2.set_title("validation loss")
+  for ax in (ax1, ax2):
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.legend(fontsize="small")
+  ax2.set_ylim(top=min(ax2.get_ylim()[1], 1.5 * max(r["val_loss"][-1] for r in results.values())))
+  save(fig, "loss")
+
+  # fp8 against bf16 (issue 8): the same bf16 policy, only the Dense matmuls differ.
+  if "fp8" in results and "bf16" in results:
+    fp8_run, bf16 = results["fp8"], results["bf16"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in (("bf16", bf16), ("fp8", fp8_run)):
+      ax1.plot(_ema(r["train_loss"]), label=f"{name} train (EMA)", color=COLORS[name])
+      ax1.plot(r["eval_steps"], r["val_loss"], "o--", color=COLORS[name], label=f"{name} val")
+    ax1.set_ylim(top=1.3 * max(fp8_run["val_loss"][-1], bf16["val_loss"][-1]))
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("cross-entropy (nats)")
+    ax1.set_title("fp8 matmuls vs bf16")
+    ax1.legend(fontsize="small")
+    diff = np.asarray(fp8_run["train_loss"]) - np.asarray(bf16["train_loss"])
+    ax2.plot(diff, color="lightgray", linewidth=0.8, label="per step")
+    ax2.plot(_ema(diff), color=COLORS["fp8"], label="EMA 0.1")
+    ax2.plot(
+      fp8_run["eval_steps"],
+      np.asarray(fp8_run["val_loss"]) - np.asarray(bf16["val_loss"]),
+      "o",
+      color="black",
+      label="validation",
+    )
+    ax2.axhline(0, color="gray", linewidth=0.8)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("fp8 loss - bf16 loss (nats)")
+    ax2.set_title("difference (same batches, same initialization)")
+    ax2.legend(fontsize="small")
+    save(fig, "fp8_vs_bf16")
+
+  # Loss-scale trajectories: fp16-dynamic with jmp_lite.plotting's own plot (skips marked),
+  # then the other scaled recipes (layer-wise: one line per stage).
+  dynamic = results.get("fp16-dynamic")
+  others = {n: r for n, r in results.items() if r["loss_scale_kind"] in ("static", "layerwise")}
+  if dynamic or others:
+    panels = int(dynamic is not None) + int(bool(others))
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), sharey=True, squeeze=False)
+    axes = list(axes[0])
+    if dynamic:
+      skipped = np.zeros(len(dynamic["loss_scale"]), bool)
+      skipped[dynamic["skipped"]] = True
+      plotting.plot_loss_scale(
+        dynamic["loss_scale"], skipped=skipped, ax=axes.pop(0), title="fp16-dynamic"
+      )
+    if others:
+      ax = axes.pop(0)
+      for name, r in others.items():
+        stages = np.asarray(r["stage_scales"] or [[s] for s in r["loss_scale"]])
+        for k in range(stages.shape[1]):
+          label = f"{name} stage {k}" if stages.shape[1] > 1 else name
+          ax.step(np.arange(len(stages)), stages[:, k], where="post", label=label)
+      ax.set_yscale("log", base=2)
+      ax.set_xlabel("step")
+      ax.set_title(" and ".join(others) + " (layer-wise: one scale per stage)")
+      ax.legend(fontsize="small")
+    save(fig, "loss_scale")
+
+  # Activation-gradient exponents against fp16's range (Micikevicius et al., Fig. 3).
+  act = summary.get("activation_gradients")
+  if act:
+    layers = common.stats_from_python(act["stats"])
+    pooled = {n: s for n, s in layers.items() if n in _leaf_layers(list(layers))}
+    scale = act["dynamic_scale"]
+    fig, axes = plt.subplots(1, 2 if scale else 1, figsize=(12 if scale else 6.5, 4))
+    axes = np.atleast_1d(axes)
+    plotting.plot_gradient_histogram(
+      pooled,
+      "float16",
+      loss_scale=1.0,
+      ax=axes[0],
+      title=f"activation gradients (fp32 run, step {act['step']}), no loss scale",
+    )
+    if scale:
+      plotting.plot_gradient_histogram(
+        pooled,
+        "float16",
+        loss_scale=scale,
+        ax=axes[1],
+        title=f"same values, loss scale {_fmt_scale(scale)} (fp16-dynamic's final)",
+      )
+    save(fig, "grad_histogram")
+
+    # Underflow per layer: unscaled, at the dynamic scale, and what the fp16 run lost.
+    names = _leaf_layers(list(layers))
+    at_scale = common.stats_from_python(act["stats_at_dynamic_scale"]) if scale else None
+    fp16 = results.get("fp16")
+    panels = 1 + (at_scale is not None) + (fp16 is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 0.3 * len(names) + 1.8))
+    axes = np.atleast_1d(axes)
+    plotting.plot_underflow_by_layer(
+      {n: layers[n] for n in names},
+      fields=("underflow_fraction", "subnormal_fraction"),
+      ax=axes[0],
+      title="activation gradients in fp16, no scale",
+    )
+    i = 1
+    if at_scale is not None:
+      plotting.plot_underflow_by_layer(
+        {n: at_scale[n] for n in names},
+        fields=("underflow_fraction", "subnormal_fraction"),
+        ax=axes[i],
+        title=f"... at loss scale {_fmt_scale(scale)}",
+      )
+      i += 1
+    if fp16 is not None:
+      # Parameter gradients that came out exactly zero at the last step, fp16 next to fp32:
+      # fp32 has zeros too (embedding rows of characters absent from the batch).
+      ax = axes[i]
+      runs = [(n, results[n]) for n in ("fp32", "fp16") if n in results]
+      param_layers = list(fp16["grad_stats"][max(fp16["grad_stats"], key=int)])
+      y = np.arange(len(param_layers))
+      for j, (name, r) in enumerate(runs):
+        last = r["grad_stats"][max(r["grad_stats"], key=int)]
+        values = [last[n]["zero_fraction"] for n in param_layers]
+        ax.barh(y + 0.4 * j, values, height=0.4, color=COLORS.get(name), label=name)
+      ax.set_yticks(y + 0.2 * (len(runs) - 1))
+      ax.set_yticklabels([n.removeprefix("params/") for n in param_layers])
+      ax.invert_yaxis()
+      ax.set_xlim(0, 1)
+      ax.set_xlabel("fraction of parameter-gradient values")
+      ax.set_title("parameter gradients exactly zero\n(last step of each run)")
+      ax.legend(fontsize="small", loc="lower right")
+    save(fig, "underflow")
+  return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def _rounded(obj: Any, digits: int = 6) -> Any:
+  """``obj`` with floats rounded to ``digits`` significant digits (a JSON a third the size;
+  the measurements are not more precise than that)."""
+  if isinstance(obj, float):
+    return float(f"{obj:.{digits}g}")
+  if isinstance(obj, dict):
+    return {k: _rounded(v, digits) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_rounded(v, digits) for v in obj]
+  return obj
+
+
+def _load_average() -> float | None:
+  try:
+    return os.getloadavg()[0]
+  except OSError:  # not available on this OS
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = build_parser().parse_args(argv)
+  platform = common.select_platform(args.platform)
+  module = EXAMPLES[args.example]
+  model_config, train_config = common.resolve_configs(args, module.PRESETS, platform)
+  defaults = COMPARE_DEFAULTS.get(common.preset_name(args, platform), {})
+  train_config = dataclasses.replace(
+    train_config, **{k: v for k, v in defaults.items() if getattr(args, k) is None}
+  )
+  if args.replicas is None:
+    train_config = dataclasses.replace(
+      train_config, replicas=scenario_replicas(args.example, model_config)
+    )
+  names = args.recipes.split(",") if args.recipes else list(DEFAULT_RECIPES[args.example])
+  recipes = [common.get_recipe(n.strip()) for n in names]
+  if len({r.name for r in recipes}) != len(recipes):
+    raise SystemExit(f"A recipe is listed twice in {args.recipes!r} (half is one of them).")
+
+  print(f"platform: {common.describe_platform()}")
+  task = (
+    charlm.CharLMTask(model_config, seed=train_config.seed)
+    if args.example == "charlm"
+    else digits.DigitsTask(model_config, seed=train_config.seed)
+  )
+  local = "tokens" if args.example == "charlm" else "images"
+  print(
+    f"example: {args.example}, {train_config.steps} steps, seed {train_config.seed}, "
+    f"replicas {train_config.replicas} (loss = sum over this batch / (replicas x batch {local}))"
+  )
+  load_before = _load_average()
+  t0 = time.perf_counter()
+  results: dict[str, common.RunResult] = {}
+  activation: dict[str, Any] | None = None
+  act_grads = None
+  for recipe in recipes:
+    result = common.train(task, recipe, train_config, keep_state=recipe.name == "fp32")
+    if recipe.name == "fp32":
+      # Activation gradients of the trained fp32 model (the true values) on a fresh batch.
+      params, model_state = result.state
+      act_grads = common.activation_gradients(
+        task, params, model_state, task.train_batch(train_config.steps), train_config
+      )
+      result.state = None
+    results[recipe.name] = result
+    print(
+      f"  {recipe.name:15s} val loss {result.final['val_loss']:.3f}  "
+      f"skipped {len(result.skipped):3d}  {result.step_time_ms:6.1f} ms/step in the loop  "
+      f"(compile {result.compile_s:.1f} s)",
+      flush=True,
+    )
+  # Step times: the training loops above ran one after the other, so a change in the load
+  # from other processes lands on some recipes only. Time more steps with the recipes
+  # interleaved, round by round, so that such changes affect all alike.
+  rounds, per_round = TIMING.get(common.preset_name(args, platform), TIMING["cpu"])
+  timed: dict[str, list[float]] = {name: [] for name in results}
+  for _ in common.progress(range(rounds), train_config.progress, desc="timing"):
+    for name, result in results.items():
+      timed[name] += result.run_more(per_round)
+  for name, result in results.items():
+    result.step_time_ms = 1e3 * statistics.median(timed[name])
+    result.step_time_spread.update(
+      interleaved_median_ms=result.step_time_ms,
+      interleaved_p10_ms=1e3 * float(np.percentile(timed[name], 10)),
+      interleaved_p90_ms=1e3 * float(np.percentile(timed[name], 90)),
+      interleaved_steps=len(timed[name]),
+    )
+    result.run_more = None  # frees the compiled step and its state
+  if act_grads is not None:
+    dynamic = results.get("fp16-dynamic")
+    scale = dynamic.loss_scale[-1] if dynamic else None
+    stats = jax.device_get(jl.gradient_statistics(act_grads, format="float16", group_by="leaf"))
+    activation = {
+      "step": train_config.steps,
+      "what": "gradient of the training loss w.r.t. each module's output, fp32 run, final params",
+      "stats": common.stats_to_python(stats),
+      "dynamic_scale": scale,
+      "stats_at_dynamic_scale": common.stats_to_python(
+        jax.device_get(
+          jl.gradient_statistics(act_grads, loss_scale=scale, format="float16", group_by="leaf")
+        )
+      )
+      if scale
+      else None,
+    }
+  wall = time.perf_counter() - t0
+
+  rows = table_rows(args.example, results)
+  table = format_table(args.example, rows)
+  print()
+  print(table)
+  print(f"\n{len(recipes)} recipes in {wall:.0f} s")
+
+  summary = {
+    "example": args.example,
+    "command": "python -m examples.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "platform": common.describe_platform(),
+    "model": dataclasses.asdict(model_config),
+    "train": {k: v for k, v in dataclasses.asdict(train_config).items() if k not in ("progress",)},
+    "wall_s": wall,
+    # Other processes on the machine make the step times noisy: this says how busy it was.
+    "load_average_1min": {"before": load_before, "after": _load_average()},
+    "versions": {
+      "python": platform_lib.python_version(),
+      "jax": jax.__version__,
+      "flax": flax.__version__,
+      "optax": optax.__version__,
+      "jmp_lite": jl.__version__,
+    },
+    "table": rows,
+    "results": {n: r.as_dict() for n, r in results.items()},
+    "activation_gradients": activation,
+  }
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f"{args.example}_compare.json")
+  with open(path, "w") as f:
+    json.dump(_rounded(summary), f, separators=(",", ":"))
+  with open(os.path.join(args.out, f"{args.example}_compare.md"), "w") as f:
+    f.write(table + "\n")
+  written = [path]
+  if not args.no_plots:
+    written += write_plots(args.example, summary, args.out)
+  print("wrote " + ", ".join(written))
+  return summary
+
+
+if __name__ == "__main__":
+  main()
