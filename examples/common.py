@@ -18,7 +18,7 @@ precision policy, the loss scale and (for ``fp8``) the matmuls differ:
   recipe skips a step whose gradients are not finite and the counters are
   comparable;
 * ``fp8`` runs the Dense/attention projections through
-  :func:`jmp_lite.flax_fp8.linen_fp8` on top of the bf16 policy.
+  :func:`jmp_lite.flax.fp8.linen_fp8` on top of the bf16 policy.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import optax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
-from jmp_lite import flax_fp8, fp8
+from jmp_lite import fp8
+from jmp_lite.flax import fp8 as flax_fp8
 
 # ---------------------------------------------------------------------------------------------
 # Recipes

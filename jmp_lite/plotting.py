@@ -204,7 +204,8 @@ def plot_loss_scale(
     mask = np.asarray(skipped, bool).reshape(-1)
     if mask.shape != scales.shape:
       raise ValueError(f"skipped has {mask.size} entries, history {scales.size}.")
-    ax.plot(steps[mask], scales[mask], "x", color="tab:red", label="skipped step")
+    if mask.any():
+      ax.plot(steps[mask], scales[mask], "x", color="tab:red", label="skipped step")
   if min_loss_scale is not None:
     ax.axhline(float(min_loss_scale), color="gray", linestyle="--", label="min_loss_scale")
   ax.set_yscale("log", base=2)

@@ -83,6 +83,11 @@ def test_loss_scale_over_time(ax):
   assert ax.get_yscale() == "log"
 
 
+def test_no_skipped_steps_no_skip_legend(ax):
+  plotting.plot_loss_scale([2.0**15] * 3, skipped=[False] * 3, ax=ax)
+  assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss scale"]
+
+
 def test_plot_argument_errors(ax):
   with pytest.raises(ValueError, match="skipped"):
     plotting.plot_loss_scale([1.0, 2.0], skipped=[True], ax=ax)

@@ -13,6 +13,8 @@
   optimizer with loss scaling built in.
 * :func:`layerwise_stages`: stage boundaries for layer-wise loss scaling,
   inserted by module class or for ``nn.Sequential`` children.
+* :mod:`jmp_lite.flax.fp8` (import it explicitly): fp8 matmuls with delayed
+  scaling for linen and NNX layers.
 """
 
 from jmp_lite.flax.accumulate import conv_general_dilated, dot_general, einsum

@@ -11,7 +11,8 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 import jmp_lite as jl
-from jmp_lite import flax_fp8, fp8
+from jmp_lite import fp8
+from jmp_lite.flax import fp8 as flax_fp8
 
 CONFIG = fp8.Fp8Config(amax_history_length=4)
 DENSE = (((1,), (0,)), ((), ()))
