@@ -121,17 +121,29 @@ def core_version() -> str:
     return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
-def hlo_summary(compiled: Any) -> dict[str, int] | None:
-  """Fusions and conditionals in the compiled step's entry computation."""
+def hlo_summary(compiled: Any) -> dict[str, Any] | None:
+  """Fusions and conditionals in the compiled step's entry computation, and XLA's
+  cost model of the whole step (flops, bytes accessed; conditionals count both branches)."""
   try:
     text = compiled.as_text()
     entry = text[text.index("ENTRY") :]
   except (AttributeError, ValueError):
     return None
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, list) else cost) or {}
   return {
     "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
     "conditionals": len(re.findall(r" conditional\(", entry)),
+    "flops": cost.get("flops"),
+    "bytes_accessed": cost.get("bytes accessed"),
   }
+
+
+def bootstrap_median_ci(ratios: np.ndarray, samples: int = 2000) -> list[float]:
+  """95% bootstrap interval of the median of the per-round ratios."""
+  rng = np.random.default_rng(0)
+  medians = np.median(rng.choice(ratios, (samples, len(ratios))), axis=1)
+  return [float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,6 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       "median_ms": 1e3 * float(np.median(t)),
       "ratio_vs_dynamic": float(np.median(ratios)),
       "ratio_iqr": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
+      "ratio_ci95": bootstrap_median_ci(ratios),
       "ratio_of_totals": float(t.sum() / ref.sum()),
       "round_ms": (1e3 * t).tolist(),
       # CPU time of this process (all threads): less sensitive to other jobs on the machine.
@@ -214,6 +227,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       ],
       "hlo": hlo[variant],
     }
+    for key in ("flops", "bytes_accessed"):
+      if hlo[variant] and hlo[variant][key] and hlo["dynamic"][key]:
+        entry[f"xla_{key}_ratio"] = hlo[variant][key] / hlo["dynamic"][key]
     final_scale = jl.get_loss_scale(states[variant][1])
     if isinstance(final_scale, jl.LayerwiseLossScale):
       entry["final_log2_scales"] = np.log2(np.asarray(final_scale.scales)).tolist()
@@ -265,12 +281,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     f"(median of {args.rounds} rounds x {args.steps} steps)"
   )
   print(
-    f"{'variant':26s} {'ms/step':>9s} {'ratio':>7s} {'IQR':>15s} {'totals':>7s} {'amort.':>7s} "
-    f"{'target':>7s} {'met':>5s} {'cpu':>6s} "
+    f"{'variant':26s} {'ms/step':>9s} {'ratio':>7s} {'95% CI':>15s} {'totals':>7s} {'amort.':>7s} "
+    f"{'target':>7s} {'met':>5s} {'cpu':>6s} {'flops':>6s} {'bytes':>6s} "
     f"{'fusions':>8s} {'conds':>6s}"
   )
   for variant, v in res["variants"].items():
-    lo, hi = v["ratio_iqr"]
+    lo, hi = v["ratio_ci95"]
+    flops, nbytes = (
+      f"{v[k]:.4f}" if k in v else "n/a" for k in ("xla_flops_ratio", "xla_bytes_accessed_ratio")
+    )
     hlo = v["hlo"] or {}
     target = f"<={v['target']}" if "target" in v else ""
     amortized = f"{v['ratio_amortized']:.3f}" if "ratio_amortized" in v else ""
@@ -278,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       f"{variant:26s} {v['median_ms']:9.2f} {v['ratio_vs_dynamic']:7.3f} "
       f"{f'[{lo:.3f}, {hi:.3f}]':>15s} {v['ratio_of_totals']:7.3f} {amortized:>7s} "
       f"{target:>7s} {v.get('meets_target', '')!s:>5s} {v['cpu_ratio_vs_dynamic']:6.3f} "
+      f"{flops:>6s} {nbytes:>6s} "
       f"{hlo.get('fusions', 'n/a'):>8} {hlo.get('conditionals', 'n/a'):>6}"
     )
   if cfg["load_average_at_end"] is not None:

@@ -330,6 +330,7 @@ class RunConfig:
   dynamic_period: int
   underflow_fraction: float
   margin_bits: int | None
+  amax_history_length: int | None = None
 
 
 def make_loss_scale(config: RunConfig, static_log2: int = 0) -> Any:
@@ -342,7 +343,11 @@ def make_loss_scale(config: RunConfig, static_log2: int = 0) -> Any:
   if method == "dynamic":
     return jl.DynamicLossScale(jnp.float32(DYNAMIC_INITIAL_SCALE), period=config.dynamic_period)
   if method == "layerwise":
-    extra = {} if config.margin_bits is None else {"margin_bits": config.margin_bits}
+    extra = {
+      name: getattr(config, name)
+      for name in ("margin_bits", "amax_history_length")
+      if getattr(config, name) is not None
+    }
     return jl.LayerwiseLossScale(
       list(range(len(config.model.layer_names))),
       initial_scale=DYNAMIC_INITIAL_SCALE,
@@ -851,6 +856,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--margin-bits", type=int, help="LayerwiseLossScale margin_bits (default: the library's)"
   )
+  parser.add_argument(
+    "--amax-history-length",
+    type=int,
+    help="LayerwiseLossScale amax_history_length (default: the library's)",
+  )
   parser.add_argument("--depth", type=int, default=28, help="deep_tanh: hidden layers")
   parser.add_argument("--blocks", type=int, default=6, help="residual: residual blocks")
   parser.add_argument("--curve-points", type=int, default=100, help="loss curve points in the JSON")
@@ -889,6 +899,7 @@ def run_task(task_name: str, args: argparse.Namespace) -> dict[str, Any]:
       args.dynamic_period,
       args.underflow_fraction,
       args.margin_bits,
+      args.amax_history_length,
     )
     return train(config, data, args.steps, args.measure_every, **kwargs)
 

@@ -33,6 +33,7 @@ from jmp_lite.layerwise import (
   LayerwiseGrads,
   LayerwiseLossScale,
   StackedStages,
+  check_stages,
   stage_boundary,
   stages_from_paths,
 )
@@ -86,6 +87,7 @@ __all__ = (
   "audit_jaxpr",
   "cast_to_full",
   "cast_to_half",
+  "check_stages",
   "every_n_steps",
   "flax",
   "format_info",

@@ -25,9 +25,10 @@ see (max and a histogram of ``floor(log2|g|)``) as the gradient of a zero
   S_k = 2^{\\lfloor \\log_2 (M \\cdot 2^{-m} / a_k) \\rfloor}
 
 where ``a_k`` is the largest true (unscaled) gradient magnitude seen in stage
-``k`` (its parameter gradients and the cotangents at its boundaries), ``M`` the
-target format's max (65504 for fp16) and ``m`` = ``margin_bits`` of headroom:
-the largest power of two that cannot overflow. Among the scales that keep the
+``k`` (its parameter gradients and the cotangents at its boundaries) over the
+last ``amax_history_length`` steps, ``M`` the target format's max (65504 for
+fp16) and ``m`` = ``margin_bits`` of headroom: the largest power of two that
+would not have overflowed on any of those steps. Among the scales that keep the
 underflow fraction of a stage at or below ``underflow_fraction``, this is the
 largest one, which also keeps the most mantissa bits for small values
 (subnormals lose precision). If even that scale leaves more than
@@ -35,11 +36,13 @@ largest one, which also keeps the most mantissa bits for small values
 subnormal (the stage's own spread exceeds the format's range), the stage is
 flagged in ``underflow_exceeded``. New scales apply from the next step.
 
-On a non-finite step the update is skipped and the non-finite stages back off
-by ``backoff_factor``. inf/NaN flows backwards from the loss, so the stages
-closer to the loss than the one where the overflow started stay finite and keep
-their scales; stages below it cannot be told apart from the culprit, and the
-next refresh restores them from statistics.
+On a non-finite step the update is skipped. inf/NaN flows backwards from the
+loss, so the stages closer to the loss than the one where the overflow started
+stay finite and keep their scales, and the highest non-finite stage is where it
+started: its true maximum was at least ``M / S_k``, which enters its history,
+so its scale drops by ``2^m`` (at least ``backoff_factor``) and stays there
+while the overflow is in the history. The stages below it, which only received
+its inf/NaN, back off by ``backoff_factor`` until the next refresh.
 
 Example (plain JAX; see :mod:`jmp_lite.flax` for Flax models)::
 
@@ -110,34 +113,49 @@ def _log2_histogram(x: jax.Array) -> jax.Array:
 
 
 def _amax(x: jax.Array) -> jax.Array:
-  return jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+  """max |x|, inf if x has a NaN: one pass gives both the statistic and finiteness.
+
+  (``jnp.max`` alone may drop NaN: XLA:CPU's max does.)
+  """
+  a = jnp.abs(x.astype(jnp.float32))
+  return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), initial=0.0)
+
+
+class _StatsMode(NamedTuple):
+  histograms: bool  # log2 histograms on refresh steps
+  max_every_step: bool  # the max on every step, not under a conditional
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _boundary(with_histogram, x, ratio, compute_stats, probe_amax, probe_histogram):
-  del with_histogram, ratio, compute_stats, probe_amax, probe_histogram
+def _boundary(mode, x, ratio, compute_stats, probe_amax, probe_histogram):
+  del mode, ratio, compute_stats, probe_amax, probe_histogram
   return x
 
 
-def _boundary_fwd(with_histogram, x, ratio, compute_stats, probe_amax, probe_histogram):
-  del with_histogram, probe_amax, probe_histogram
+def _boundary_fwd(mode, x, ratio, compute_stats, probe_amax, probe_histogram):
+  del mode, probe_amax, probe_histogram
   return x, (ratio, compute_stats)
 
 
-def _boundary_bwd(with_histogram, residuals, ct):
+def _boundary_bwd(mode, residuals, ct):
   ratio, compute_stats = residuals
-  # The max is one cheap reduction over a cotangent this op reads anyway, so
-  # it is taken on every step (no conditional to break XLA's fusion); the
-  # histogram costs a scatter per value and only runs when a refresh is due.
-  amax = _amax(ct)
-  if with_histogram:
-    histogram = lax.cond(
-      compute_stats > 0,
-      lambda: _log2_histogram(ct),
-      lambda: jnp.zeros(HIST_BINS, jnp.float32),
-    )
+  no_histogram = jnp.zeros(HIST_BINS, jnp.float32)
+  histogram = (lambda: _log2_histogram(ct)) if mode.histograms else (lambda: no_histogram)
+  # The max is one more read of an activation-sized cotangent: on a refresh
+  # step only, unless every step is one (then a conditional would only get in
+  # the way of XLA's fusion). The histogram is a scatter per value.
+  if mode.max_every_step:
+    amax = _amax(ct)
+    if mode.histograms:
+      histogram = lax.cond(compute_stats > 0, histogram, lambda: no_histogram)
+    else:
+      histogram = no_histogram
   else:
-    histogram = jnp.zeros(HIST_BINS, jnp.float32)
+    amax, histogram = lax.cond(
+      compute_stats > 0,
+      lambda: (_amax(ct), histogram()),
+      lambda: (jnp.float32(0), no_histogram),
+    )
   # In fp32: the ratio may be outside the cotangent dtype's range; a power of
   # two times a value is exact unless the result leaves the range.
   converted = (ct.astype(jnp.float32) * ratio).astype(ct.dtype)
@@ -149,7 +167,7 @@ _boundary.defvjp(_boundary_fwd, _boundary_bwd)
 
 @dataclasses.dataclass(frozen=True)
 class _BoundaryContext:
-  histograms: bool
+  mode: _StatsMode
   ratios: jax.Array  # S_k / S_{k+1}
   compute_stats: jax.Array
   probes: BoundaryStats
@@ -190,7 +208,7 @@ def stage_boundary(x: jax.Array, index: int | jax.Array) -> jax.Array:
       f"boundaries are 0..{num_boundaries - 1}."
     )
   return _boundary(
-    context.histograms,
+    context.mode,
     x,
     context.ratios[index],
     context.compute_stats,
@@ -234,15 +252,23 @@ class LayerwiseLossScale:
       scanned stack of layers) a sequence of ints, one per leading index.
     num_stages: number of stages K (default: 1 + the largest index used).
     initial_scale: every stage's scale for the first step (use a power of two).
-    update_period: refresh the scales every this many finite steps; statistics
-      are only computed on those steps.
+    update_period: refresh the scales every this many finite steps. The
+      maxima of the parameter gradients enter the history on every step (they
+      are also the finiteness check); those of the boundary cotangents, one
+      more read of an activation-sized tensor each, and the histograms only on
+      refresh steps.
     underflow_fraction: the target: at most this fraction of a stage's nonzero
       gradient values may fall below the format's smallest subnormal. 1e-3
       follows the paper's code (their text allows up to 1e-2).
     margin_bits: headroom against overflow, in powers of two below the max.
-      Scales are delayed (computed from an earlier step), so gradients that
+      Scales are delayed (computed from earlier steps), so gradients that
       grow before the next refresh need room: with 1-2 bits a deep tanh MLP
       trained with Adam (lr 3e-2) overflowed right after refreshes; 3 did not.
+    amax_history_length: how many steps of per-stage maxima the rule takes the
+      largest of (like fp8 delayed scaling). One step trusts a single batch:
+      on a deep tanh MLP that skipped 7-27% of the steps (one batch's gradient
+      8x the previous one's); 16 skipped 0-4%. Longer histories react later to
+      shrinking gradients.
     gradient_dtype: the format gradients are computed in: ``float16``
       (default) or ``float8_e5m2``.
     min_loss_scale, max_loss_scale: bounds on every stage's scale (scalars or
@@ -252,11 +278,14 @@ class LayerwiseLossScale:
       boundary cotangents on refresh steps, and report the predicted underflow
       fraction per stage (``underflow``, ``underflow_exceeded``). The scale rule
       needs only the maxima; histograms cost a scatter per gradient value
-      (about +40% step time on CPU at ``update_period=1``), so they are off by
+      (+10-20% step time on a CPU MLP at ``update_period=1``), so they are off by
       default.
 
-  State (pytree leaves): ``scales`` (``f32[K]``), ``steps_since_refresh``, and
-  for logging ``amax`` (true max ``|g|`` per stage at the last refresh) and
+  State (pytree leaves): ``scales`` (``f32[K]``), ``steps_since_refresh``,
+  ``amax_history`` (``f32[amax_history_length, K]``, true max ``|g|`` per
+  stage, most recent first; after an overflow the culprit's entry is the lower
+  bound ``M / S_k``), and for logging ``amax`` (the history's max at the last
+  refresh) and
   ``underflow`` (predicted underflow fraction per stage at the new scales; only
   with ``histograms=True``, zeros otherwise).
   """
@@ -268,6 +297,7 @@ class LayerwiseLossScale:
   update_period: int = 1
   underflow_fraction: float = 1e-3
   margin_bits: int = 3
+  amax_history_length: int = 16
   gradient_dtype: Any = "float16"
   min_loss_scale: Any = 1.0
   max_loss_scale: Any = 2.0**64
@@ -275,6 +305,7 @@ class LayerwiseLossScale:
   histograms: bool = False
   scales: jax.Array = dataclasses.field(init=False)
   steps_since_refresh: jax.Array = dataclasses.field(init=False)
+  amax_history: jax.Array = dataclasses.field(init=False)
   amax: jax.Array = dataclasses.field(init=False)
   underflow: jax.Array = dataclasses.field(init=False)
 
@@ -302,6 +333,10 @@ class LayerwiseLossScale:
     )
     set_("update_period", loss_scale._check_int(self.update_period, "update_period", 1))
     set_("margin_bits", loss_scale._check_int(self.margin_bits, "margin_bits", 0))
+    set_(
+      "amax_history_length",
+      loss_scale._check_int(self.amax_history_length, "amax_history_length", 1),
+    )
     set_("backoff_factor", loss_scale._check_int(self.backoff_factor, "backoff_factor", 2))
     if not isinstance(self.histograms, bool):
       raise TypeError(f"histograms must be a bool, got {self.histograms!r}.")
@@ -322,6 +357,7 @@ class LayerwiseLossScale:
     set_("scales", jnp.asarray(np.clip(np.full(self.num_stages, initial), low, high), jnp.float32))
     # The first step computes statistics, so the second already uses them.
     set_("steps_since_refresh", jnp.asarray(self.update_period - 1, jnp.int32))
+    set_("amax_history", jnp.zeros((self.amax_history_length, self.num_stages), jnp.float32))
     set_("amax", jnp.zeros((self.num_stages,), jnp.float32))
     set_("underflow", jnp.zeros((self.num_stages,), jnp.float32))
 
@@ -369,7 +405,7 @@ class LayerwiseLossScale:
       )
     scales = self.scales
     context_args = dict(
-      histograms=self.histograms,
+      mode=_StatsMode(self.histograms, max_every_step=self.update_period == 1),
       ratios=scales[:-1] / scales[1:],
       compute_stats=(self.steps_since_refresh >= self.update_period - 1).astype(jnp.float32),
     )
@@ -406,16 +442,27 @@ class LayerwiseLossScale:
     unscaled = [g / self._leaf_scale(g, spec) for g, spec in zip(leaves, specs, strict=True)]
     grads = transform.cast_like_params(jax.tree.unflatten(treedef, unscaled), params)
 
-    stage_finite = self._stage_finite(jax.tree.leaves(grads), specs)
+    # One max per stage gives the statistic and the finiteness (_amax maps NaN to inf).
+    scales = self.scales
+    observed = self._observed_amax(leaves, specs, boundary)  # true units
     if axis_name is not None:
-      stage_finite = lax.pmin(stage_finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+      observed = lax.pmax(observed, axis_name)
+    stage_finite = jnp.isfinite(observed)
     finite = jnp.all(stage_finite)
+    # inf/NaN flows backwards from the loss, so the stage where it started is
+    # the non-finite one with the highest index. Its gradients exceeded the
+    # format's max at its scale: record that lower bound on its true maximum.
+    num_stages = self.num_stages
+    highest_non_finite = num_stages - 1 - jnp.argmin(stage_finite[::-1])  # type: ignore[operator]
+    culprit = ~finite & (jnp.arange(num_stages) == highest_non_finite)
+    fmt_max = dtypes.format_info(self.gradient_dtype).max
+    observed = jnp.where(stage_finite, observed, jnp.where(culprit, fmt_max / scales, 0.0))
+    history = jnp.concatenate([observed[None], self.amax_history[:-1]])
+    amax = jnp.max(history, axis=0)
+    new_scales = self._scales_for(amax)
 
     due = self.steps_since_refresh >= self.update_period - 1
     refresh = due & finite
-    new_scales, amax = self._refreshed_scales(leaves, specs, boundary, axis_name)
-    scales = jnp.where(refresh, new_scales, self.scales)
-    amax = jnp.where(refresh, amax, self.amax)
     if self.histograms:
       underflow = lax.cond(
         refresh,
@@ -424,17 +471,25 @@ class LayerwiseLossScale:
       )
     else:
       underflow = self.underflow
-    # inf/NaN flows backwards from the loss: the stage where it started is the
-    # non-finite one with the highest index.
-    backed = jnp.where(stage_finite, self.scales, self.scales / self.backoff_factor)
+    # On overflow the culprit drops to what its history allows (at least one
+    # backoff); the stages below it, which only received its inf/NaN, back off
+    # once, and the next refresh restores them from their history. Between
+    # refreshes the boundaries are not observed, and an overflow in the
+    # cotangent a stage passes down shows first in the stage below: the stage
+    # above the culprit backs off once too.
+    boundaries_seen = due if boundary is not None else jnp.asarray(False)
+    unobserved_above = ~boundaries_seen & jnp.concatenate([jnp.zeros(1, bool), culprit[:-1]])
+    backed = jnp.where(stage_finite & ~unobserved_above, scales, scales / self.backoff_factor)
+    backed = jnp.where(culprit, jnp.minimum(backed, new_scales), backed)
     backed = jnp.maximum(backed, jnp.asarray(self.min_loss_scale, jnp.float32))
     next_state = loss_scale._replace(
       self,
-      scales=jnp.where(finite, scales, backed).astype(jnp.float32),
+      scales=jnp.where(finite, jnp.where(refresh, new_scales, scales), backed).astype(jnp.float32),
       steps_since_refresh=jnp.where(
         finite & due, 0, jnp.where(finite, self.steps_since_refresh + 1, self.steps_since_refresh)
       ).astype(jnp.int32),
-      amax=amax,
+      amax_history=history,
+      amax=jnp.where(refresh, amax, self.amax),
       underflow=underflow,
     )
     return grads, finite, next_state
@@ -488,42 +543,30 @@ class LayerwiseLossScale:
         out = combine(out.at[jnp.asarray(spec)], per_slice)
     return out
 
-  def _stage_finite(self, leaves, specs) -> jax.Array:
-    # Same fast path as jl.all_finite: a sum is non-finite if any term is.
-    sums = self._per_stage(leaves, specs, jnp.sum, lambda ref, v: ref.add(v), 0.0)
-    fast = jnp.isfinite(sums)
-    return lax.cond(
-      jnp.all(fast),
-      lambda: fast,
-      lambda: (
-        self._per_stage(
-          leaves,
-          specs,
-          lambda g: jnp.all(jnp.isfinite(g)).astype(jnp.float32),
-          lambda ref, v: ref.min(v),
-          1.0,
-        )
-        > 0
-      ),
-    )
-
-  def _refreshed_scales(self, scaled_leaves, specs, boundary: BoundaryStats | None, axis_name):
-    """Scales from this step's maxima (in true, unscaled units), and the maxima."""
+  def _observed_amax(self, scaled_leaves, specs, boundary: BoundaryStats | None) -> jax.Array:
+    """Largest true (unscaled) gradient magnitude per stage; inf where non-finite."""
     scales = self.scales
     # Parameter gradients are observed at their own stage's scale.
     amax = self._per_stage(scaled_leaves, specs, _amax, lambda ref, v: ref.max(v), 0.0) / scales
     if boundary is not None and self.num_stages > 1:  # type: ignore[operator]  # an int
-      # Boundary k is observed at S_{k+1}; it is an output of stage k+1's
-      # backward pass and the input of stage k's.
+      # Boundary k is observed at S_{k+1}: an output of stage k+1's backward
+      # pass and the input of stage k's.
       b_true = boundary.amax / scales[1:]
       amax = amax.at[:-1].max(b_true).at[1:].max(b_true)
-    if axis_name is not None:
-      amax = lax.pmax(amax, axis_name)
+    return amax
+
+  def _scales_for(self, amax: jax.Array) -> jax.Array:
+    """The largest powers of two that put ``amax`` ``margin_bits`` below the max."""
     target = dtypes.format_info(self.gradient_dtype).max * 2.0**-self.margin_bits
-    exponent = jnp.floor(jnp.log2(target / amax))
-    new = jnp.where((amax > 0) & jnp.isfinite(amax), 2.0**exponent, scales)
+    # floor(log2(target / amax)), exactly (log2 may round a power of two down)
+    # and without overflowing the division: with x = m_x 2^e_x, m_x in [0.5, 1),
+    # it is e_t - e_a, minus 1 when m_t < m_a.
+    m_t, e_t = jnp.frexp(jnp.float32(target))
+    m_a, e_a = jnp.frexp(amax)
+    exponent = e_t - e_a - (m_t < m_a).astype(e_a.dtype)
+    new = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exponent), self.scales)
     new = jnp.clip(new, jnp.asarray(self.min_loss_scale), jnp.asarray(self.max_loss_scale))
-    return new.astype(jnp.float32), amax
+    return new.astype(jnp.float32)
 
   def _predicted_underflow(self, scaled_leaves, specs, boundary, new_scales, axis_name):
     """Fraction of each stage's nonzero values that would underflow at ``new_scales``."""
@@ -563,7 +606,7 @@ def _shift_histogram(hist: jax.Array, shift: jax.Array) -> jax.Array:
 
 loss_scale._register(
   LayerwiseLossScale,
-  ("scales", "steps_since_refresh", "amax", "underflow"),
+  ("scales", "steps_since_refresh", "amax_history", "amax", "underflow"),
   (
     "param_stages",
     "num_stages",
@@ -571,6 +614,7 @@ loss_scale._register(
     "update_period",
     "underflow_fraction",
     "margin_bits",
+    "amax_history_length",
     "gradient_dtype",
     "min_loss_scale",
     "max_loss_scale",
@@ -578,6 +622,111 @@ loss_scale._register(
     "histograms",
   ),
 )
+
+
+def check_stages(
+  fun: Callable[..., Any],
+  loss_scale: Any,
+  params: Any,
+  *args: Any,
+  has_aux: bool = False,
+  tolerance: float = 1e-3,
+  **kwargs: Any,
+) -> None:
+  """Checks that every parameter's gradient comes from the stage it is assigned to.
+
+  A debugging aid for the plain-JAX API, where nothing else catches a parameter
+  used in two stages (tied weights), a tensor that bypasses a boundary (a skip
+  connection across stages) or a wrong index in ``param_stages``: each gives
+  silently wrong gradients. Compiles ``fun(params, *args, **kwargs)`` once and
+  runs it once per boundary: a small batch is enough.
+
+  How: with boundary ratios ``r_j = S_j / S_{j+1}``, the scaled gradient of a
+  parameter of stage ``s`` is its true gradient times ``S_s = S_{K-1}
+  prod_{j >= s} r_j``, so ``r_j * d(grad) / d(r_j)`` (forward mode over the
+  backward pass) equals the gradient for ``j >= s`` and is zero for ``j < s``.
+  Any other share means part of the gradient crossed boundaries its stage does
+  not account for.
+
+  Args:
+    fun: the loss function, differentiated with respect to ``params``.
+    loss_scale: a :class:`LayerwiseLossScale`, or an optimizer state holding one.
+    params, args, kwargs: what ``fun`` is called with.
+    has_aux: ``fun`` returns ``(loss, aux)``.
+    tolerance: the largest accepted deviation of a share from 0 or 1.
+
+  Raises:
+    ValueError: naming every parameter (or slice of a stacked one) whose
+      gradient does not come from its stage, with the share of it that flows
+      through each boundary.
+  """
+  scale = transform.get_loss_scale(loss_scale)
+  if not isinstance(scale, LayerwiseLossScale):
+    raise TypeError(f"check_stages needs a LayerwiseLossScale, got {type(scale).__name__}.")
+  num_boundaries = scale.num_stages - 1  # type: ignore[operator]  # an int after __post_init__
+  if num_boundaries == 0:
+    return
+  ratios = scale.scales[:-1] / scale.scales[1:]
+  probes = BoundaryStats(
+    jnp.zeros((num_boundaries,), jnp.float32),
+    jnp.zeros((num_boundaries, HIST_BINS), jnp.float32),
+  )
+
+  def scaled_grads(ratios):
+    context = _BoundaryContext(_StatsMode(False, False), ratios, jnp.float32(0), probes)
+
+    def scaled_loss(p):
+      with _activate(context):
+        out = fun(p, *args, **kwargs)
+      return (out[0] if has_aux else out) * scale.scales[-1]
+
+    return jax.grad(scaled_loss)(params)
+
+  # The derivative along r_j * e_j (with respect to log r_j) is r_j d(grad)/d(r_j),
+  # directly: it has the gradient's magnitude, so it cannot overflow where the gradient does not.
+  shares = jax.jit(lambda direction: jax.jvp(scaled_grads, (ratios,), (direction,)))
+  per_boundary = [
+    shares(jnp.zeros_like(ratios).at[j].set(ratios[j])) for j in range(num_boundaries)
+  ]
+  grads = per_boundary[0][0]
+  paths_and_grads = jax.tree_util.tree_flatten_with_path(grads)[0]
+  specs = scale._leaf_specs(grads)
+  problems = []
+  for i, ((path, g), spec) in enumerate(zip(paths_and_grads, specs, strict=True)):
+    stacked = isinstance(spec, StackedStages)
+    scale._leaf_scale(g, spec)  # checks a stacked parameter's leading axis
+    for index, stage in enumerate(spec if stacked else (spec,)):
+      g_slice = np.asarray(g[index] if stacked else g, np.float64)
+      norm = np.linalg.norm(g_slice)
+      if not np.isfinite(norm) or norm == 0:
+        continue  # nothing to attribute
+      share = []
+      for _, tangents in per_boundary:
+        t = np.asarray(jax.tree.leaves(tangents)[i], np.float64)
+        share.append(float(np.vdot(g_slice, t[index] if stacked else t) / norm**2))
+      share = np.asarray(share)
+      if np.all(np.abs(share - _one_stage_shares(stage, num_boundaries)) <= tolerance):
+        continue
+      name = jax.tree_util.keystr(path) + (f"[{index}]" if stacked else "")
+      shown = ", ".join(f"{j}: {x:.3g}" for j, x in enumerate(share))
+      fits = [
+        k
+        for k in range(num_boundaries + 1)
+        if np.all(np.abs(share - _one_stage_shares(k, num_boundaries)) <= tolerance)
+      ]
+      hint = f"; it behaves like stage {fits[0]}" if fits else ""
+      problems.append(f"  {name}, assigned to stage {stage}{hint}: {shown}")
+  if problems:
+    raise ValueError(
+      "These parameters' gradients do not come from their stage alone. Share of each "
+      "gradient through boundaries 0, 1, ... (stage s expects 0 below boundary s, 1 from "
+      "it on):\n" + "\n".join(problems) + "\nA parameter may be "
+      "used in two stages, a tensor may bypass a boundary, or param_stages may be wrong."
+    )
+
+
+def _one_stage_shares(stage: int, num_boundaries: int) -> np.ndarray:
+  return (np.arange(num_boundaries) >= stage).astype(np.float64)
 
 
 def stages_from_paths(params: Any, assign: Callable[[tuple], int]) -> Any:

@@ -188,8 +188,9 @@ def test_update_period_refreshes_only_every_n_finite_steps():
   assert history[0] != [10.0] * K  # step 0 refreshes
   assert history[1] == history[0] and history[2] == history[0]  # no refresh in between
   # Step 3 refreshes (statistics seen at better scales may move a stage by a bit).
-  # Only the last stage's gradients were made non-finite: only it backs off.
-  assert history[4] == [*history[3][:-1], history[3][-1] - 1]
+  # Only the last stage's gradients were made non-finite: only it backs off, by
+  # margin_bits (3): its gradients exceeded 65504 at its scale.
+  assert history[4] == [*history[3][:-1], history[3][-1] - 3]
   assert history[5] == history[4]  # the skipped step did not count towards the period
   assert step._cache_size() == 1
 
@@ -208,7 +209,88 @@ def test_overflow_is_skipped_and_the_non_finite_stages_back_off():
   assert not bool(new_state.last_finite)
   assert all(np.all(np.asarray(u["w"]) == 0) for u in updates)
   assert_bitwise_equal(new_state.inner_state, state.inner_state)
-  np.testing.assert_array_equal(np.log2(np.asarray(new_state.loss_scale.scales)), [9, 9, 9, 10, 10])
+  # Stage 2, where the inf started, exceeded 65504 at 2^10: it drops by margin_bits (3).
+  # Stages 0 and 1 only received its inf and back off once.
+  np.testing.assert_array_equal(np.log2(np.asarray(new_state.loss_scale.scales)), [9, 9, 7, 10, 10])
+
+
+def test_between_refreshes_boundaries_are_not_observed_and_overflow_backs_off_above():
+  params = _params()
+  x, y = _batch()
+  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4], initial_scale=2.0**10, update_period=3)
+  tx = jl.loss_scaling(optax.sgd(0.0), scale)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(state, poison):
+    _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
+    # As if stage 3's backward pass overflowed in the cotangent it passes down.
+    bad = [{"w": jnp.where(poison & (k <= 2), jnp.inf, g["w"])} for k, g in enumerate(grads.grads)]
+    return grads.boundary_stats.amax, tx.update(grads._replace(grads=bad), state, params)[1]
+
+  amax, state = step(state, False)  # a refresh step: the boundaries are observed
+  assert np.all(np.asarray(amax) > 0)
+  before = np.log2(np.asarray(state.loss_scale.scales))
+  amax, state = step(state, True)  # between refreshes: not observed
+  np.testing.assert_array_equal(amax, np.zeros(K - 1))
+  # Stage 2 (highest non-finite) drops by margin_bits; stage 3 above it, which
+  # may be where the overflow started, and stages 0-1 below it back off once.
+  np.testing.assert_array_equal(
+    np.log2(np.asarray(state.loss_scale.scales)), before + np.asarray([-1, -1, -3, -1, 0])
+  )
+
+
+def _one_stage_steps(scale, gradients):
+  """Feeds already-scaled gradients of one parameter; returns log2 scales after each step."""
+  tx = jl.loss_scaling(optax.sgd(0.0), scale)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  update = jax.jit(lambda g, s: tx.update({"w": g}, s, params)[1])
+  out = []
+  for g in gradients:
+    state = update(jnp.asarray(g, jnp.float32), state)
+    out.append(float(np.log2(state.loss_scale.scales[0])))
+  assert update._cache_size() == 1
+  return out, state
+
+
+def test_scales_follow_the_largest_gradient_of_the_history():
+  # Scale 1, so the true maxima are 4, 1, 1, 1; 65504 / 8 = 8188 = 2^12.999.
+  scale = jl.LayerwiseLossScale({"w": 0}, initial_scale=1.0, amax_history_length=3)
+  got, state = _one_stage_steps(scale, [[4.0, 0.0]] + [[1.0, 0.0]] * 3)
+  # 4 is remembered for three steps (the scale also changes, so the gradients
+  # fed as "scaled" by 1 mean smaller true values: 1 / 2^10, then 1 / 2^12).
+  assert got[:3] == [10.0, 10.0, 10.0]
+  assert got[3] == 22.0  # history (2^-10, 2^-10, 2^-10) -> 2^12.999 / 2^-10
+  np.testing.assert_array_equal(state.loss_scale.amax_history[:, 0], [2.0**-10] * 3)
+  assert float(state.loss_scale.amax[0]) == 2.0**-10
+  one, _ = _one_stage_steps(
+    jl.LayerwiseLossScale({"w": 0}, initial_scale=1.0, amax_history_length=1),
+    [[4.0, 0.0], [1.0, 0.0]],
+  )
+  assert one == [10.0, 22.0]
+
+
+def test_an_overflowing_stage_remembers_its_overflow():
+  scale = jl.LayerwiseLossScale(
+    {"w": 0}, initial_scale=2.0**10, amax_history_length=4, margin_bits=2
+  )
+  # Step 0 overflows at 2^10 (true max >= 65504 / 2^10 = 2^5.999): 2^10 -> 2^(10 - 2).
+  # Steps 1-3 see 2^-4 at their scale (true 2^-12), but the overflow stays in
+  # the 4-step history; step 4 forgets it.
+  got, state = _one_stage_steps(scale, [[np.inf, 1.0]] + [[2.0**-4, 0.0]] * 4)
+  assert got[:4] == [8.0, 8.0, 8.0, 8.0]
+  assert got[4] == 25.0  # 65504 / 4 / 2^-12 = 2^25.999: the largest safe scale
+  assert int(state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_nan_without_inf_is_detected(bad):
+  # XLA:CPU's max may drop NaN; the per-stage check must not.
+  scale = jl.LayerwiseLossScale({"w": 0}, initial_scale=2.0**10)
+  got, state = _one_stage_steps(scale, [[bad, 1.0]])
+  assert not bool(state.last_finite) and int(state.skipped_steps) == 1
+  assert got == [7.0]  # down by margin_bits
 
 
 def test_scanned_stack_with_traced_boundary_index():
@@ -344,3 +426,85 @@ def test_bad_usage_errors():
   stacked = jl.LayerwiseLossScale({"s": jl.StackedStages([0, 1])})
   with pytest.raises(ValueError, match="leading axis"):
     stacked.unscale({"s": jnp.ones((3, 2))})
+
+
+def test_check_stages_accepts_correct_models():
+  params = _params()
+  x, y = _batch()
+  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4])
+  jl.check_stages(deep_tanh, scale, params, x, y)
+  jl.check_stages(residual_blocks, scale, params, x, y)
+  # Unequal scales (ratios other than 1), passed through an optimizer state.
+  state = jl.loss_scaling(optax.sgd(0.1), scale).init(params)
+  uneven = layerwise.loss_scale._replace(
+    scale, scales=jnp.asarray(2.0 ** np.asarray([14, 10, 12, 9, 8]), jnp.float32)
+  )
+  jl.check_stages(deep_tanh, state._replace(loss_scale=uneven), params, x, y)
+
+
+def test_check_stages_finds_wrong_stages_tied_weights_and_bypasses():
+  params = _params()
+  x, y = _batch()
+
+  with pytest.raises(
+    ValueError, match=r"\[2\]\['w'\], assigned to stage 3; it behaves like stage 2"
+  ):
+    jl.check_stages(deep_tanh, jl.LayerwiseLossScale([0, 1, 3, 3, 4]), params, x, y)
+
+  def tied(p, x, y):  # layer 0's weights reused in stage 3
+    h = x.astype(jnp.float16)
+    for k in range(K):
+      h = jnp.tanh(h @ p[0 if k == 3 else k]["w"].astype(jnp.float16))
+      if k < K - 1:
+        h = jl.stage_boundary(h, k)
+    return jnp.mean((jnp.sum(h.astype(jnp.float32), axis=-1) - y) ** 2)
+
+  with pytest.raises(ValueError, match=r"\[0\]\['w'\], assigned to stage 0: 0: 0\.\d+") as e:
+    jl.check_stages(tied, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y)
+  assert "[3]['w']" not in str(e.value)  # unused: a zero gradient is not reported
+
+  def bypass(p, x, y):  # stage 0's output also feeds stage 3 directly
+    h0 = jnp.tanh(x.astype(jnp.float16) @ p[0]["w"].astype(jnp.float16))
+    h = jl.stage_boundary(h0, 0)
+    for k in range(1, K):
+      h = jnp.tanh(h @ p[k]["w"].astype(jnp.float16)) + (h0 if k == 3 else 0)
+      if k < K - 1:
+        h = jl.stage_boundary(h, k)
+    return jnp.mean((jnp.sum(h.astype(jnp.float32), axis=-1) - y) ** 2)
+
+  with pytest.raises(
+    ValueError, match=r"\[0\]\['w'\], assigned to stage 0: 0: 0\.\d+, 1: 0\.\d+, 2: 0\.\d+, 3: 1\n"
+  ):
+    jl.check_stages(bypass, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y)
+
+
+def test_check_stages_on_a_scanned_stack():
+  depth, width = 3, 8
+  key = jax.random.PRNGKey(0)
+  params = {"stack": jax.random.normal(key, (depth, width, width)) * 0.5 / np.sqrt(width)}
+  x, y = _batch(width=width)
+
+  def model(p, x, y):
+    def body(h, xs):
+      w, i = xs
+      return jl.stage_boundary(jnp.tanh(h @ w), i), None
+
+    h, _ = jax.lax.scan(body, x, (p["stack"], jnp.arange(depth)))
+    return jnp.mean((jnp.sum(h, -1) - y) ** 2)
+
+  # The last boundary (index 2) leads to stage 3, which has no parameters.
+  jl.check_stages(
+    model, jl.LayerwiseLossScale({"stack": jl.StackedStages([0, 1, 2])}, num_stages=4), params, x, y
+  )
+  with pytest.raises(
+    ValueError, match=r"\['stack'\]\[1\], assigned to stage 2; it behaves like stage 1"
+  ):
+    jl.check_stages(
+      model,
+      jl.LayerwiseLossScale({"stack": jl.StackedStages([0, 2, 2])}, num_stages=4),
+      params,
+      x,
+      y,
+    )
+  with pytest.raises(TypeError, match="LayerwiseLossScale"):
+    jl.check_stages(model, jl.DynamicLossScale(2.0**15), params, x, y)
