@@ -284,6 +284,64 @@ def test_an_overflowing_stage_remembers_its_overflow():
   assert int(state.skipped_steps) == 1
 
 
+@jax.custom_vjp
+def _e5m2_cotangent(h):
+  return h
+
+
+_e5m2_cotangent.defvjp(
+  lambda h: (h, None), lambda _, ct: (ct.astype(jnp.float8_e5m2).astype(ct.dtype),)
+)
+
+
+def test_fp8_e5m2_gradient_target():
+  # The rule targets E5M2's max, 57344: 0.9375 * 2^13 = 7680 fits 65504 / 8 but not 57344 / 8.
+  for dtype, expected in [("float16", 13.0), ("float8_e5m2", 12.0)]:
+    scale = jl.LayerwiseLossScale({"w": 0}, initial_scale=1.0, gradient_dtype=dtype)
+    assert _one_stage_steps(scale, [[0.9375, 0.0]])[0] == [expected]
+
+  # Backward cotangents quantized to E5M2 (range 2^-16..57344) after every layer of a
+  # network whose cotangents shrink 2^3 per layer: one scale loses the first layers.
+  depth = 12
+  params = _params(std=0.12, depth=depth)
+  x, y = _batch()
+
+  def model(p, x, y, fp8=True):
+    h = x
+    for k, layer in enumerate(p):
+      h = jnp.tanh(h @ layer["w"])
+      h = _e5m2_cotangent(h) if fp8 else h
+      h = jl.stage_boundary(h, k) if k < depth - 1 else h
+    return jnp.mean((jnp.sum(h, axis=-1) - y) ** 2)
+
+  ref = jax.grad(model)(params, x, y, fp8=False)
+
+  def relative_errors(loss_scale):
+    tx = jl.loss_scaling(optax.sgd(0.0), loss_scale)
+    state = tx.init(params)
+    step = jax.jit(
+      lambda s: tx.update(jl.scaled_value_and_grad(model, s)(params, x, y)[1], s, params)
+    )
+    for _ in range(3):  # settle the scales
+      _, state = step(state)
+    assert int(state.skipped_steps) == 0
+    _, grads = jl.scaled_value_and_grad(model, state)(params, x, y)
+    scale = jl.get_loss_scale(state)
+    got = scale.unscale(getattr(grads, "grads", grads))
+    return [
+      float(np.linalg.norm(g["w"] - r["w"]) / np.linalg.norm(r["w"]))
+      for g, r in zip(got, ref, strict=True)
+    ]
+
+  layerwise_errors = relative_errors(
+    jl.LayerwiseLossScale(list(range(depth)), gradient_dtype="float8_e5m2")
+  )
+  dynamic_errors = relative_errors(jl.DynamicLossScale(jnp.float32(2.0**15)))
+  assert dynamic_errors[:2] == [1.0, 1.0]  # all zero: below E5M2's range at the dynamic scale
+  # E5M2 keeps 2 mantissa bits, and each layer adds its rounding: about 0.06-0.4 here.
+  assert max(layerwise_errors) < 0.5
+
+
 @pytest.mark.parametrize("bad", [np.nan, -np.inf])
 def test_nan_without_inf_is_detected(bad):
   # XLA:CPU's max may drop NaN; the per-stage check must not.
