@@ -163,27 +163,33 @@ def test_scale_rule_and_predicted_underflow():
   assert bool(state.loss_scale.underflow_exceeded[0])  # 25% > 1e-3: flagged
 
 
-def test_update_period_refreshes_only_every_n_finite_steps():
+def _period_3_training(poisoned_stages):
+  """(initial state, jitted step(state, poison) -> (boundary maxima, next state)).
+
+  With ``poison`` the gradients of ``poisoned_stages`` are made inf.
+  """
   params = _params()
   x, y = _batch()
   scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4], initial_scale=2.0**10, update_period=3)
   tx = jl.loss_scaling(optax.sgd(0.0), scale)
-  state = tx.init(params)
 
   @jax.jit
   def step(state, poison):
     _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
-    grads = grads._replace(
-      grads=[
-        {"w": g["w"] * jnp.where(poison & (k == K - 1), jnp.inf, 1.0)}
-        for k, g in enumerate(grads.grads)
-      ]
-    )
-    return tx.update(grads, state, params)[1]
+    bad = [
+      {"w": jnp.where(poison & (k in poisoned_stages), jnp.inf, g["w"])}
+      for k, g in enumerate(grads.grads)
+    ]
+    return grads.boundary_stats.amax, tx.update(grads._replace(grads=bad), state, params)[1]
 
+  return tx.init(params), step
+
+
+def test_update_period_refreshes_only_every_n_finite_steps():
+  state, step = _period_3_training(poisoned_stages=(K - 1,))
   history = []
   for poison in [False, False, False, False, True, False, False]:
-    state = step(state, poison)
+    _, state = step(state, poison)
     history.append(np.log2(np.asarray(state.loss_scale.scales)).tolist())
   assert history[0] != [10.0] * K  # step 0 refreshes
   assert history[1] == history[0] and history[2] == history[0]  # no refresh in between
@@ -215,19 +221,8 @@ def test_overflow_is_skipped_and_the_non_finite_stages_back_off():
 
 
 def test_between_refreshes_boundaries_are_not_observed_and_overflow_backs_off_above():
-  params = _params()
-  x, y = _batch()
-  scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4], initial_scale=2.0**10, update_period=3)
-  tx = jl.loss_scaling(optax.sgd(0.0), scale)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(state, poison):
-    _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
-    # As if stage 3's backward pass overflowed in the cotangent it passes down.
-    bad = [{"w": jnp.where(poison & (k <= 2), jnp.inf, g["w"])} for k, g in enumerate(grads.grads)]
-    return grads.boundary_stats.amax, tx.update(grads._replace(grads=bad), state, params)[1]
-
+  # As if stage 3's backward pass overflowed in the cotangent it passes down.
+  state, step = _period_3_training(poisoned_stages=(0, 1, 2))
   amax, state = step(state, False)  # a refresh step: the boundaries are observed
   assert np.all(np.asarray(amax) > 0)
   before = np.log2(np.asarray(state.loss_scale.scales))
