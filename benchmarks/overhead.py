@@ -11,6 +11,9 @@ scaling machinery, not of 16-bit arithmetic, which CPUs do not speed up):
 * ``flax_dynamic_scale``: ``flax.training.dynamic_scale.DynamicScale``.
 * ``optax_apply_if_finite``: ``optax.apply_if_finite(adam, ...)`` (skips
   non-finite steps, no scaling).
+* ``check_zero_updates``, ``check_keep_state``: the floor of any method that
+  skips non-finite steps, without scaling: ``jl.all_finite`` on the gradients and
+  zero updates when it fails; the second also keeps the optimizer state.
 
 Each round times every variant on ``--steps`` steps, in a rotating order; the
 reported ratio is the median over rounds of (variant time / plain time) of the
@@ -123,8 +126,19 @@ def make_variants(adam):
     updates, state = if_finite.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  def check_step(params, state, x, y, keep_state):
+    grads = jax.grad(loss_fn)(params, x, y)
+    finite = jl.all_finite(grads)
+    updates, new_state = adam.update(grads, state, params)
+    updates = optax.tree_utils.tree_where(finite, updates, optax.tree.zeros_like(updates))
+    if keep_state:
+      new_state = optax.tree_utils.tree_where(finite, new_state, state)
+    return optax.apply_updates(params, updates), new_state
+
   return {
     "plain": (plain_init, plain_step),
+    "check_zero_updates": (plain_init, functools.partial(check_step, keep_state=False)),
+    "check_keep_state": (plain_init, functools.partial(check_step, keep_state=True)),
     "jmp_lite": (tx.init, jmp_lite_step),
     "jmp_recipe": (jmp_init, jmp_step),
     "flax_dynamic_scale": (flax_init, flax_step),
