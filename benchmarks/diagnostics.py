@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import audit
 from jmp_lite import diagnostics as diag
-from jmp_lite.audit import audit
 from jmp_lite.loss_scale import DynamicLossScale
 from jmp_lite.transform import loss_scaling, scaled_value_and_grad
 

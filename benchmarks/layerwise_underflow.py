@@ -273,7 +273,7 @@ def layer_counts(ref: Params, got: Params, layer_scales: jax.Array) -> dict[str,
 
 def _layer_scales(scale: Any, num_layers: int) -> jax.Array:
   """The loss scale each layer's gradients were computed at."""
-  if isinstance(scale, jl.LayerwiseLossScale):
+  if not scale.uniform:
     return scale.scales
   return jnp.broadcast_to(jnp.asarray(scale.loss_scale, jnp.float32), (num_layers,))
 
@@ -416,7 +416,7 @@ def _fp16_grads_fn(model: Model):
 
 
 def _log2_scales(scale: Any) -> list[float]:
-  if isinstance(scale, jl.LayerwiseLossScale):
+  if not scale.uniform:
     return np.log2(np.asarray(scale.scales, np.float64)).tolist()
   return [float(np.log2(np.asarray(scale.loss_scale, np.float64)))]
 

@@ -329,7 +329,7 @@ def describe_platform() -> str:
   kind = getattr(device, "device_kind", device.platform)
   cores = os.cpu_count()
   extra = f", {cores} host cores" if device.platform == "cpu" else ""
-  return f"{device.platform} ({kind}{extra}); half = {jl.half_dtype().name}"
+  return f"{device.platform} ({kind}{extra}); half = {jnp.dtype(jl.half_dtype()).name}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,9 +431,8 @@ def make_loss_scale(recipe: Recipe, task: Task, params: Any, config: TrainConfig
 
 def _scale_values(loss_scale: Any) -> tuple[jax.Array, jax.Array | None]:
   """(the scale the loss is multiplied by, per-stage scales or None)."""
-  if isinstance(loss_scale, jl.LayerwiseLossScale):
-    return loss_scale.loss_scale, loss_scale.scales
-  return jnp.asarray(loss_scale.loss_scale, jnp.float32), None
+  value = jnp.asarray(loss_scale.loss_scale, jnp.float32)
+  return value, (None if loss_scale.uniform else loss_scale.scales)
 
 
 def _memory(compiled: Any) -> dict[str, int]:
@@ -573,13 +572,9 @@ def train(
       amax = None
     else:
       # Gradients for the parameters and the fp8 amax probes (docs/fp8.md).
-      def scaled(params, amax):
-        loss, aux = loss_fn(params, amax, model_state, fp8_state, batch, loss_scale)
-        return loss_scale.scale(loss), aux
-
-      (_, (updates, terms)), (grads, amax) = jax.value_and_grad(
-        scaled, argnums=(0, 1), has_aux=True
-      )(params, fp8.zeros_amax(fp8_state))
+      (_, (updates, terms)), (grads, amax) = jl.scaled_value_and_grad(
+        loss_fn, loss_scale, has_aux=True, argnums=(0, 1)
+      )(params, fp8.zeros_amax(fp8_state), model_state, fp8_state, batch, loss_scale)
 
     # The parameter gradients as computed (scaled), for the statistics (outside the step:
     # one small compilation shared by all recipes instead of a bigger step per recipe).

@@ -12,7 +12,7 @@ import jmp_lite as jl
 
 def main() -> None:
   policy = jl.get_policy("params=float32,compute=float16,output=float32")
-  print(f"policy: {policy}  (half on {jax.default_backend()} = {jl.half_dtype().name})")
+  print(f"policy: {policy}  (half on {jax.default_backend()} = {jnp.dtype(jl.half_dtype()).name})")
 
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(256, 16)), jnp.float32)
@@ -24,15 +24,15 @@ def main() -> None:
     def loss_fn(p):
       p16, x16 = policy.cast_to_compute((p, x))
       pred = policy.cast_to_output(x16 @ p16["w"] + p16["b"])
-      loss = jnp.mean((pred - y) ** 2)
-      return loss_scale.scale(loss), loss
+      return jnp.mean((pred - y) ** 2)
 
-    grads, loss = jax.grad(loss_fn, has_aux=True)(params)
-    grads = loss_scale.unscale(grads)  # fp16 grads come back as fp32
-    finite = jl.all_finite(grads)
+    # The gradients of loss_scale * loss, in fp16 through the model.
+    loss, scaled_grads = loss_scale.value_and_grad(loss_fn)(params)
+    # Unscaled in fp32, one finiteness check, the next scale.
+    grads, finite, next_scale = loss_scale.unscale_and_adjust(scaled_grads, params)
     new_params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
     params = jl.select_tree(finite, new_params, params)  # skip overflowing steps
-    return params, loss_scale.adjust(finite), loss, finite
+    return params, next_scale, loss, finite
 
   # Start too high on purpose: 2^24 * loss overflows fp16, so the first steps
   # are skipped and the scale backs off until gradients are finite.

@@ -5,8 +5,20 @@ bugs fixed, plus Optax loss-scaling transformations, layer-wise adaptive loss
 scaling and Flax integration.
 """
 
-from jmp_lite import flax, fp8
-from jmp_lite.audit import AuditConfig, AuditReport, Finding, SourceLocation, audit, audit_jaxpr
+# Submodules are attributes (jl.flax, jl.fp8) but stay out of __all__: `from jmp_lite import *`
+# must not rebind a user's `flax`.
+from jmp_lite import flax as flax
+from jmp_lite import fp8 as fp8
+from jmp_lite._audit import (
+  AUDIT_CHECKS,
+  AuditConfig,
+  AuditReport,
+  Finding,
+  SourceLocation,
+  audit,
+  audit_jaxpr,
+)
+from jmp_lite._step_check import check_loss_scaling
 from jmp_lite.diagnostics import (
   Culprit,
   GradientStats,
@@ -57,6 +69,7 @@ from jmp_lite.transform import (
 __version__ = "0.1.0"
 
 __all__ = (
+  "AUDIT_CHECKS",
   "FORMATS",
   "AuditConfig",
   "AuditReport",
@@ -87,11 +100,10 @@ __all__ = (
   "audit_jaxpr",
   "cast_to_full",
   "cast_to_half",
+  "check_loss_scaling",
   "check_stages",
   "every_n_steps",
-  "flax",
   "format_info",
-  "fp8",
   "get_fp8_policy",
   "get_loss_scale",
   "get_loss_scaling_state",

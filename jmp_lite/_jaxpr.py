@@ -1,4 +1,4 @@
-"""Private helpers for walking jaxprs, shared by :mod:`audit` and :mod:`diagnostics`.
+"""Private helpers for walking jaxprs, shared by ``jmp_lite._audit`` and :mod:`diagnostics`.
 
 Only ``jax.extend.core`` types and documented jaxpr attributes (``eqns``,
 ``invars``, ``outvars``, ``params``, ``source_info``) are used, so the walk

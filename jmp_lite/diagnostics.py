@@ -184,23 +184,20 @@ def _group_fn(group_by: Any) -> Callable[[str], str]:
   )
 
 
-_LOSS_SCALES = (
-  loss_scale_lib.NoOpLossScale,
-  loss_scale_lib.StaticLossScale,
-  loss_scale_lib.DynamicLossScale,
-)
-
-
 def _scale_value(loss_scale: Any) -> jax.Array:
-  if isinstance(loss_scale, _LOSS_SCALES):
+  if isinstance(loss_scale, loss_scale_lib.LossScale):
+    if not loss_scale.uniform:
+      raise TypeError(
+        f"loss_scale: a {type(loss_scale).__name__} gives each stage its own scale; pass the "
+        "scaled gradients (what fp16 stores) and loss_scale=1."
+      )
     loss_scale = loss_scale.loss_scale
   if isinstance(loss_scale, (bool, np.bool_)) or not isinstance(
     loss_scale, (numbers.Real, np.ndarray, np.generic, jax.Array)
   ):
     raise TypeError(
-      "loss_scale must be a positive number, a scalar array or a NoOp/Static/DynamicLossScale, "
-      f"got {type(loss_scale).__name__}. With per-layer scales (LayerwiseLossScale), pass the "
-      "scaled gradients and loss_scale=1."
+      "loss_scale must be a positive number, a scalar array or a jmp_lite.LossScale, "
+      f"got {type(loss_scale).__name__}."
     )
   scale = jnp.asarray(loss_scale, jnp.float32)
   if scale.shape != ():
@@ -523,15 +520,8 @@ def likely_culprits(
 # Loss-scale health
 
 
-def _at_minimum(scale: Any) -> jax.Array:
-  if isinstance(scale, loss_scale_lib.DynamicLossScale):
-    return scale.loss_scale <= jnp.asarray(scale.min_loss_scale, scale.loss_scale.dtype)
-  scales = getattr(scale, "scales", None)
-  if scales is not None and hasattr(scale, "min_loss_scale"):
-    # Per-stage scales (jl.LayerwiseLossScale): collapsed when any stage is
-    # pinned at its floor. Duck-typed: this module sits below layerwise.
-    return jnp.any(scales <= jnp.asarray(scale.min_loss_scale, scales.dtype))
-  return jnp.zeros((), jnp.bool_)  # a fixed scale has no minimum to collapse to
+def _at_minimum(scale: loss_scale_lib.LossScale) -> jax.Array:
+  return jnp.asarray(scale.at_minimum)
 
 
 class LossScaleMonitor(NamedTuple):

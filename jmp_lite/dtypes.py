@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 DTypeLike = Any  # a dtype name, np.dtype, or scalar type such as jnp.bfloat16
+ScalarType = Any  # a JAX scalar type such as jnp.bfloat16 (typed Any in jax.numpy's stubs)
 
 
 class FormatInfo(NamedTuple):
@@ -117,7 +118,7 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
   if isinstance(value, str):
     name = value.strip().lower()
     if name == "half":
-      return half_dtype()
+      return np.dtype(half_dtype())
     if name not in _BY_NAME:
       try:
         dtype = np.dtype(name)
@@ -155,12 +156,36 @@ def is_float8(dtype: DTypeLike) -> bool:
   return jnp.issubdtype(np.dtype(dtype), jnp.floating) and np.dtype(dtype).itemsize == 1
 
 
-def half_dtype_for(platform: str, compute_capability: str | None = None) -> np.dtype:
+def scalar_type(dtype: DTypeLike) -> ScalarType:
+  """Returns the JAX scalar type of a floating dtype (name or dtype): ``jnp.float16`` for ``"f16"``.
+
+  This is what jmp's policies and ``half_dtype()`` hold, and so what
+  :class:`jmp_lite.Policy` holds: a type that is callable (``jnp.float16(2.0)``
+  is a float16 array), that finds the dict keys ``jnp.float16`` and
+  ``np.float16``, that compares equal to ``np.dtype("float16")`` and that
+  ``jnp.dtype(...)`` turns into that ``np.dtype``.
+
+  >>> scalar_type("bf16") is jnp.bfloat16, scalar_type(np.dtype("float16")) is jnp.float16
+  (True, True)
+  >>> scalar_type("f16")(3.0).dtype.name
+  'float16'
+  """
+  dtype = parse_dtype(dtype)
+  scalar = getattr(jnp, dtype.name, None)
+  if isinstance(scalar, type) and np.dtype(scalar) == dtype:
+    return scalar
+  # A floating dtype jax.numpy has no name for (NumPy's longdouble): NumPy's
+  # scalar type is callable and hashable too.
+  return dtype.type
+
+
+def half_dtype_for(platform: str, compute_capability: str | None = None) -> ScalarType:
   """The native 16-bit format of a platform: what "half" means there.
 
   bfloat16 on TPU, CPU and GPUs with native bf16 arithmetic (NVIDIA compute
   capability 8.0 and newer, AMD); float16 on NVIDIA GPUs older than Ampere,
-  where bf16 is emulated and slow.
+  where bf16 is emulated and slow. Returns the JAX scalar type
+  (``jnp.bfloat16`` or ``jnp.float16``), as jmp's ``half_dtype`` does.
 
   Args:
     platform: ``"cpu"``, ``"gpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"``.
@@ -169,20 +194,25 @@ def half_dtype_for(platform: str, compute_capability: str | None = None) -> np.d
   """
   platform = platform.lower()
   if platform in ("tpu", "cpu", "rocm"):
-    return np.dtype(jnp.bfloat16)
+    return jnp.bfloat16
   if platform not in ("gpu", "cuda"):
     raise ValueError(f"Unknown platform {platform!r}; expected cpu, gpu, cuda, rocm or tpu.")
   major = str(compute_capability or "").split(".")[0]
   if major.isdigit() and int(major) < 8:
-    return np.dtype(jnp.float16)
-  return np.dtype(jnp.bfloat16)
+    return jnp.float16
+  return jnp.bfloat16
 
 
-def half_dtype(device: jax.Device | None = None) -> np.dtype:
+def half_dtype(device: jax.Device | None = None) -> ScalarType:
   """The native 16-bit format of ``device`` (default: the first local device).
 
   Unlike jmp, which returns float16 everywhere but TPU, this returns bfloat16
-  wherever the hardware computes it natively; see :func:`half_dtype_for`.
+  wherever the hardware computes it natively; see :func:`half_dtype_for`. As
+  in jmp the result is a JAX scalar type, so ``half_dtype()(2 ** 15)`` is an
+  array and ``jnp.dtype(half_dtype())`` the ``np.dtype``.
+
+  >>> half_dtype(jax.devices("cpu")[0]) is jnp.bfloat16
+  True
   """
   device = device or jax.local_devices()[0]
   return half_dtype_for(device.platform, getattr(device, "compute_capability", None))

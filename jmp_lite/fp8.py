@@ -50,6 +50,15 @@ folds the observations into the state, outside differentiation::
 
 Observations from several devices or gradient-accumulation microsteps are
 combined with ``max`` (:func:`reduce_amax`, :func:`combine_amax`), never summed.
+
+A fresh state has no history, and its scales of 1 flush every value below the
+format's smallest subnormal (output gradients under :math:`2^{-16}` in E5M2)
+and saturate every value above its largest. :func:`calibrate` fills the
+history from one batch before training, with one pass under
+:func:`current_scaling` (each tensor quantized with the scale of its own amax),
+so the first step's error is rounding only; the training step is unchanged::
+
+  state = fp8.calibrate(lambda amax: loss_fn(params, amax), state, config)
 See ``docs/fp8.md`` for the design, the Flax integration and the differences
 from ``flax.linen.fp8_ops``.
 """
@@ -57,11 +66,14 @@ from ``flax.linen.fp8_ops``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
 import numbers
 import string
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -71,6 +83,7 @@ from jax import lax
 
 from jmp_lite import dtypes
 from jmp_lite import policy as policy_lib
+from jmp_lite.loss_scale import LossScale
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -201,7 +214,11 @@ class Fp8DotAmax(NamedTuple):
 
 
 def init_scale_state(amax_history_length: int = 1024) -> Fp8ScaleState:
-  """A scale of 1 and an all-zero history (zero amaxes keep the scale at 1)."""
+  """A scale of 1 and an all-zero history (zero amaxes keep the scale at 1).
+
+  Scale 1 suits no particular tensor: :func:`calibrate` sets the scales from a
+  first batch before training.
+  """
   length = _check_history_length(amax_history_length)
   return Fp8ScaleState(jnp.ones((), _F32), jnp.zeros((length,), _F32))
 
@@ -413,6 +430,130 @@ def update(state: Any, amax: Any, config: Fp8Config | None = None, *, axis_name:
 
 
 # -----------------------------------------------------------------------------
+# The first step
+
+
+class CurrentScalingScope:
+  """What :func:`current_scaling` yields: ``probed_ops`` counts the fp8 ops
+  traced inside with an amax probe (0: nothing would be observed)."""
+
+  def __init__(self):
+    self.probed_ops = 0
+
+
+class _CurrentScalingScopes(threading.local):
+  def __init__(self):
+    self.active: list[CurrentScalingScope] = []
+
+
+_current_scaling_scopes = _CurrentScalingScopes()
+
+
+@contextlib.contextmanager
+def current_scaling() -> Iterator[CurrentScalingScope]:
+  r"""Inside, fp8 ops quantize each tensor with the scale of its own amax.
+
+  Read when an op is traced (as :func:`jax.named_scope` is): every
+  :func:`dot_general` and :func:`einsum` traced inside quantizes its input,
+  kernel and output gradient :math:`x` with
+
+  .. math:: s = \texttt{compute\_scale}(\max|x|,\ s_{\text{state}},\ \text{dtype},\ \text{margin})
+
+  instead of the state's scale :math:`s_{\text{state}}` (which it keeps only
+  for an all-zero or non-finite tensor), and reports the amaxes through its
+  probe as usual. Each quantization then waits for a reduction over its own
+  tensor, which delayed scaling exists to avoid; :func:`calibrate` uses it for
+  one pass before training.
+
+  A ``jax.jit`` function traced before, outside the context, keeps its
+  compiled delayed-scaling program: trace the fp8 ops inside. The
+  :class:`CurrentScalingScope` it yields counts the ops that were.
+  """
+  scope = CurrentScalingScope()
+  _current_scaling_scopes.active.append(scope)
+  try:
+    yield scope
+  finally:
+    _current_scaling_scopes.active.pop()
+
+
+def calibrate(
+  fun: Callable[..., Any],
+  state: Any,
+  config: Fp8Config | None = None,
+  *,
+  has_aux: bool = False,
+  axis_name: Any = None,
+) -> Any:
+  r"""Sets the scales of a fresh fp8 state from one batch, before the first training step.
+
+  Takes ``jax.grad(fun)(zeros_amax(state))`` once under :func:`current_scaling`
+  and folds the observations into ``state`` with :func:`update`. No tensor is
+  flushed or saturated in that pass, so every layer's output gradient is
+  observed as it is (with the initial scales of 1, a flushed gradient would
+  also zero the gradients, and the observations, of every layer below it).
+  Each scale then maps its tensor's amax to the format's largest value,
+
+  .. math:: s = \frac{\max|x| \cdot 2^{\text{margin}}}{\text{fp8\_max}},
+
+  and a first training step on the same batch quantizes exactly as this pass
+  did: its error is fp8 rounding, not a flush to zero or a saturation. Each
+  call pushes one observation per tensor, so calibrating on several batches
+  makes the ``"max"`` rule cover all of them.
+
+  This is a separate pass, not current scaling inside the training step while
+  the history is empty, so that the training step stays the program it was. A
+  ``jnp.where`` between the delayed and the current scale would make every
+  quantization wait for a reduction over its tensor in every step (the cast
+  could no longer share the pass that produces the tensor and its amax); a
+  ``lax.cond`` is a fusion barrier, and XLA:GPU (outside CUDA graphs) copies its
+  predicate to the host and waits for it at every execution. The cost here is
+  one forward and backward pass and one compilation, once.
+
+  Args:
+    fun: the loss of one batch as a function of the amax probes: ``fun(amax)``,
+      closing over the parameters, the batch and ``state`` (e.g.
+      ``lambda amax: loss_fn(params, amax)`` with the training step's loss).
+      It need not scale the loss; if it does, it must pass the loss scale to
+      the ops, as the training step does.
+    state: the pytree of :class:`Fp8DotState` that ``fun`` reads, fresh from
+      :func:`init_dot_state` or a Flax ``init``.
+    config: formats, margin and amax rule (the ops' ``config``).
+    has_aux: ``fun`` returns ``(loss, aux)``; ``aux`` is dropped.
+    axis_name: as in :func:`update`.
+
+  Returns:
+    The calibrated state, with the same structure.
+
+  >>> state = init_dot_state(Fp8Config(amax_history_length=4))
+  >>> x, k = jnp.full((2, 3), 896.0), jnp.full((3, 2), 0.4375)
+  >>> def loss(amax):  # output gradients of 57344 * 2**-40 ~ 2**-24: zero at scale 1
+  ...   y = dot_general(x, k, (((1,), (0,)), ((), ())), state, amax)
+  ...   return jnp.sum(y) * (57344 * 2.0**-40)
+  >>> calibrated = jax.jit(calibrate, static_argnums=0)(loss, state)  # or eagerly
+  >>> [float(t.scale) for t in calibrated]
+  [2.0, 0.0009765625, 9.094947017729282e-13]
+  """
+  if not callable(fun):
+    raise TypeError(f"fun must be a function of the amax probes, got {fun!r}.")
+  config = _as_config(config)
+  probes = zeros_amax(state)
+  if not jax.tree.leaves(probes):
+    raise ValueError(f"state holds no Fp8DotState to calibrate: {state!r}.")
+  with current_scaling() as scope:
+    amax = jax.grad(fun, has_aux=has_aux)(probes)
+  if scope.probed_ops == 0:
+    raise ValueError(
+      "fun traced no fp8 matmul with an amax probe, so nothing was calibrated: trace the fp8 "
+      "ops inside fun (not a jax.jit function compiled before) and give them the probes (the "
+      "amax argument; linen: the 'fp8_amax' collection)."
+    )
+  if has_aux:
+    amax, _ = amax
+  return update(state, amax, config, axis_name=axis_name)
+
+
+# -----------------------------------------------------------------------------
 # The matmul
 
 
@@ -540,6 +681,8 @@ class _DotSpec(NamedTuple):
   rhs_dtype: np.dtype
   out_sharding: Any
   probe_axes: frozenset  # the shard_map axes the amax probe varies over
+  current_scaling: bool  # traced under current_scaling(): scales from this step's amaxes
+  margin: float
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -549,7 +692,11 @@ def _fp8_dot(lhs, rhs, scales, probe, loss_scale, spec):
 
 def _fp8_dot_fwd(lhs, rhs, scales, probe, loss_scale, spec):
   del probe  # only its cotangent matters
-  input_scale, kernel_scale, _ = scales
+  input_scale, kernel_scale, grad_scale = scales
+  lhs_amax, rhs_amax = compute_amax(lhs), compute_amax(rhs)
+  if spec.current_scaling:  # static: the delayed program has no trace of this
+    input_scale = compute_scale(lhs_amax, input_scale, spec.fwd_dtype, spec.margin)
+    kernel_scale = compute_scale(rhs_amax, kernel_scale, spec.fwd_dtype, spec.margin)
   q_lhs = quantize(lhs, input_scale, spec.fwd_dtype)
   q_rhs = quantize(rhs, kernel_scale, spec.fwd_dtype)
   # fp8 x fp8 products are exact in fp32, so accumulating in fp32 and scaling
@@ -557,7 +704,8 @@ def _fp8_dot_fwd(lhs, rhs, scales, probe, loss_scale, spec):
   out = _dot(q_lhs, q_rhs, spec.dims, spec.out_sharding)
   out = (out * (input_scale * kernel_scale)).astype(spec.out_dtype)
   # Residuals are the 1-byte quantized operands, not the 2-4 byte originals.
-  residuals = (q_lhs, q_rhs, scales, loss_scale, compute_amax(lhs), compute_amax(rhs))
+  scales = (input_scale, kernel_scale, grad_scale)
+  residuals = (q_lhs, q_rhs, scales, loss_scale, lhs_amax, rhs_amax)
   return out, residuals
 
 
@@ -566,8 +714,10 @@ def _fp8_dot_bwd(spec, residuals, g):
   # g carries the loss scale S. Quantizing with grad_scale * S gives the same
   # fp8 values as unscaled training (exactly, for a power-of-two S), and the
   # amax is recorded unscaled, so a change of S never moves the fp8 scales.
-  scale = grad_scale * loss_scale
   grad_amax = compute_amax(g) / loss_scale
+  if spec.current_scaling:
+    grad_scale = compute_scale(grad_amax, grad_scale, spec.bwd_dtype, spec.margin)
+  scale = grad_scale * loss_scale
   q_g = quantize(g, scale, spec.bwd_dtype)
   d_lhs = _operand_cotangent(q_g, q_lhs, q_rhs, spec.dims, True) * (scale * kernel_scale)
   d_rhs = _operand_cotangent(q_g, q_rhs, q_lhs, spec.dims, False) * (scale * input_scale)
@@ -584,7 +734,18 @@ def _loss_scale_value(loss_scale: Any) -> jax.Array:
   """A float32 scalar from None, a jmp_lite loss scale, or a number/array."""
   if loss_scale is None:
     return jnp.ones((), _F32)
-  value = getattr(loss_scale, "loss_scale", loss_scale)  # NoOp/Static/DynamicLossScale
+  if isinstance(loss_scale, LossScale):
+    if not loss_scale.uniform:
+      # Each stage's gradients carry their own scale, which the matmul cannot know;
+      # its own per-tensor gradient scale already adapts to each matmul's range.
+      raise TypeError(
+        f"fp8 matmuls need the one scale every gradient carries; a {type(loss_scale).__name__} "
+        "gives each stage its own. fp8's delayed scaling already scales each matmul's output "
+        "gradient on its own: use jl.DynamicLossScale (or jl.NoOpLossScale with bf16) for the "
+        "16-bit parts of the network."
+      )
+    loss_scale = loss_scale.loss_scale
+  value = loss_scale
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"loss_scale must be a positive number, got {value!r}.")
   value = jnp.asarray(value)
@@ -649,6 +810,8 @@ def dot_general(
   multiplies with fp32 accumulation and rescales; the backward pass quantizes
   the output gradient to ``config.bwd_dtype`` with ``state.output_grad.scale``
   (see the module docstring for the math). The state is read, never written.
+  Traced under :func:`current_scaling`, it quantizes each tensor with the scale
+  of its own amax instead (see :func:`calibrate`).
 
   Args:
     lhs, rhs, dimension_numbers: as in :func:`jax.lax.dot_general`; floating
@@ -683,6 +846,9 @@ def dot_general(
   dims = _canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
   scales = _check_dot_state(state)
   probe = _check_probe(amax)
+  if amax is not None:
+    for scope in _current_scaling_scopes.active:
+      scope.probed_ops += 1
   if preferred_element_type is None:
     out_dtype = jnp.result_type(lhs, rhs)
   else:
@@ -703,6 +869,8 @@ def dot_general(
     rhs.dtype,
     out_sharding,
     probe_axes,
+    bool(_current_scaling_scopes.active),
+    config.margin,
   )
   return _fp8_dot(lhs, rhs, scales, probe, _loss_scale_value(loss_scale), spec)
 
@@ -906,8 +1074,8 @@ class Fp8Policy:
       raise TypeError(f"policy must be a jmp_lite Policy, got {type(self.policy).__name__}.")
     if dtypes.is_float8(self.policy.compute_dtype):
       raise ValueError(
-        f"Fp8Policy.policy has compute dtype {self.policy.compute_dtype.name}; use a 16/32-bit "
-        "compute dtype for non-matmul ops and put the fp8 recipe in config."
+        f"Fp8Policy.policy has compute dtype {np.dtype(self.policy.compute_dtype).name}; use a "
+        "16/32-bit compute dtype for non-matmul ops and put the fp8 recipe in config."
       )
     if self.config is not None:
       _as_config(self.config)
@@ -990,14 +1158,17 @@ __all__ = (
   "AMAX_COMPUTE_ALGOS",
   "E4M3",
   "E5M2",
+  "CurrentScalingScope",
   "Fp8Config",
   "Fp8DotAmax",
   "Fp8DotState",
   "Fp8Policy",
   "Fp8ScaleState",
+  "calibrate",
   "combine_amax",
   "compute_amax",
   "compute_scale",
+  "current_scaling",
   "dequantize",
   "dot_general",
   "einsum",

@@ -68,14 +68,14 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import dtypes, loss_scale, transform
+from jmp_lite import _tree_util, dtypes, loss_scale, transform
 
 HIST_MIN_EXP = -64
 """Exponent of the first histogram bin; smaller magnitudes are counted there."""
@@ -251,7 +251,8 @@ class LayerwiseLossScale:
       are stage indices: an int, or for a stacked parameter (leading axis = a
       scanned stack of layers) a sequence of ints, one per leading index.
     num_stages: number of stages K (default: 1 + the largest index used).
-    initial_scale: every stage's scale for the first step (use a power of two).
+    initial_scale: the scales of the first step (use powers of two): one for
+      every stage, or one per stage.
     update_period: refresh the scales every this many finite steps. The
       maxima of the parameter gradients enter the history on every step (they
       are also the finiteness check); those of the boundary cotangents, one
@@ -290,9 +291,11 @@ class LayerwiseLossScale:
   with ``histograms=True``, zeros otherwise).
   """
 
+  uniform: ClassVar[bool] = False  # each stage's gradients carry their own scale
+
   param_stages: Any
   num_stages: int | None = None
-  initial_scale: float = 2.0**15
+  initial_scale: Any = 2.0**15
   _: dataclasses.KW_ONLY
   update_period: int = 1
   underflow_fraction: float = 1e-3
@@ -308,6 +311,8 @@ class LayerwiseLossScale:
   amax_history: jax.Array = dataclasses.field(init=False)
   amax: jax.Array = dataclasses.field(init=False)
   underflow: jax.Array = dataclasses.field(init=False)
+  # (treedef, leaf specs) of param_stages: hashable, so it can be static pytree data.
+  _stage_tree: tuple = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -327,10 +332,9 @@ class LayerwiseLossScale:
       ids = spec if isinstance(spec, StackedStages) else (spec,)
       if min(ids) < 0 or max(ids) >= self.num_stages:
         raise ValueError(f"Stage index in {spec!r} is outside [0, {self.num_stages}).")
-    set_(
-      "param_stages",
-      (treedef, tuple(int(x) if not isinstance(x, StackedStages) else x for x in specs)),
-    )
+    specs = tuple(x if isinstance(x, StackedStages) else int(x) for x in specs)
+    set_("_stage_tree", (treedef, specs))
+    set_("param_stages", jax.tree.unflatten(treedef, specs))
     set_("update_period", loss_scale._check_int(self.update_period, "update_period", 1))
     set_("margin_bits", loss_scale._check_int(self.margin_bits, "margin_bits", 0))
     set_(
@@ -352,27 +356,54 @@ class LayerwiseLossScale:
       raise ValueError(f"min_loss_scale {low} exceeds max_loss_scale {high}.")
     set_("min_loss_scale", low)
     set_("max_loss_scale", high)
-    initial = loss_scale._as_bound(self.initial_scale, "initial_scale", np.dtype(np.float32))
-    set_("initial_scale", initial)
-    set_("scales", jnp.asarray(np.clip(np.full(self.num_stages, initial), low, high), jnp.float32))
+    initial = _check_bound(self.initial_scale, "initial_scale", self.num_stages)
+    if np.ndim(self.initial_scale) == 0:
+      set_("initial_scale", initial[0])
+    else:
+      set_("initial_scale", initial)
+    set_("scales", jnp.asarray(np.clip(initial, low, high), jnp.float32))
     # The first step computes statistics, so the second already uses them.
     set_("steps_since_refresh", jnp.asarray(self.update_period - 1, jnp.int32))
     set_("amax_history", jnp.zeros((self.amax_history_length, self.num_stages), jnp.float32))
     set_("amax", jnp.zeros((self.num_stages,), jnp.float32))
     set_("underflow", jnp.zeros((self.num_stages,), jnp.float32))
 
-  # The jmp-compatible surface -------------------------------------------------
+  # The loss-scale contract (jmp_lite.LossScale) -------------------------------
 
   @property
   def loss_scale(self) -> jax.Array:
-    """The scale the loss is multiplied by: the last stage's."""
+    """The scale the loss is multiplied by: the last stage's (see ``scales``)."""
     return self.scales[-1]
 
+  @property
+  def at_minimum(self) -> jax.Array:
+    """Whether any stage is pinned at its ``min_loss_scale``."""
+    return jnp.any(self.scales <= jnp.asarray(self.min_loss_scale, jnp.float32))
+
   def scale(self, tree: Any) -> Any:
-    return loss_scale._scale_tree(tree, self.scales[-1])
+    """Refuses: a plain ``jax.grad`` of a scaled loss cannot scale stages apart.
+
+    The stage boundaries convert between the stages' scales only inside
+    :meth:`value_and_grad`; ``jax.grad(lambda p: scale.scale(loss(p)))`` would
+    leave them inactive and give every stage the last stage's scale.
+    """
+    del tree
+    raise TypeError(
+      "LayerwiseLossScale.scale: layer-wise scaling gives each stage its own scale, which a "
+      "plain jax.grad of a scaled loss cannot do (the stage boundaries stay inactive, so every "
+      "gradient would carry the last stage's scale and unscaling would be wrong). Take the "
+      "gradients with jl.scaled_value_and_grad(loss_fn, opt_state) (or loss_scale.value_and_grad"
+      "(loss_fn)), or with jl.flax.TrainState.value_and_grad / jl.flax.Optimizer.value_and_grad."
+    )
 
   def unscale(self, grads: Any) -> Any:
-    """Divides each parameter gradient by its stage's scale (in >= fp32)."""
+    """Divides each parameter gradient by its stage's scale (in >= fp32).
+
+    Takes what :meth:`value_and_grad` returns (a :class:`LayerwiseGrads`) or
+    the parameter gradients alone, and returns the parameter gradients.
+    """
+    if isinstance(grads, LayerwiseGrads):
+      grads = grads.grads
     leaves, treedef = jax.tree.flatten(grads)
     specs = self._leaf_specs(grads)
     return jax.tree.unflatten(
@@ -394,14 +425,49 @@ class LayerwiseLossScale:
       ),
     )
 
-  # Used by jl.loss_scaling and jl.scaled_value_and_grad ---------------------
+  def with_scales(self, scales: Any) -> LayerwiseLossScale:
+    """A copy whose stages have ``scales`` (one per stage) from now on.
 
-  def scaled_value_and_grad(
-    self, fun: Callable[..., Any], *, has_aux: bool = False, argnums: int = 0
+    The rest of the state (history, counters) is kept. Use powers of two.
+
+    >>> scale = LayerwiseLossScale([0, 1]).with_scales([2.0**10, 2.0**4])
+    >>> scale.scales.tolist()
+    [1024.0, 16.0]
+    """
+    values = jnp.asarray(scales, jnp.float32)
+    if values.shape != (self.num_stages,):
+      raise ValueError(
+        f"scales must have one value per stage, shape ({self.num_stages},); got shape "
+        f"{values.shape}."
+      )
+    if not isinstance(values, jax.core.Tracer):
+      low, high = np.asarray(self.min_loss_scale), np.asarray(self.max_loss_scale)
+      host = np.asarray(values)
+      if not np.all(np.isfinite(host)) or np.any(host < low) or np.any(host > high):
+        raise ValueError(
+          f"scales must be finite and within [min_loss_scale, max_loss_scale] = "
+          f"[{self.min_loss_scale}, {self.max_loss_scale}]; got {host.tolist()}."
+        )
+    return loss_scale._replace(self, scales=values)
+
+  def value_and_grad(
+    self,
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: Any = 0,
+    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, LayerwiseGrads]]:
-    if not isinstance(argnums, int):
+    """Gradients with stage ``k`` at scale ``S_k``, plus the boundary statistics.
+
+    See :meth:`jmp_lite.LossScale.value_and_grad`. ``argnums`` names one
+    argument (the parameters, or an NNX model). The returned gradients are a
+    :class:`LayerwiseGrads`.
+    """
+    if isinstance(argnums, (tuple, list)) or isinstance(argnums, bool):
       raise TypeError(
-        f"Layer-wise loss scaling differentiates one argument (the params); got argnums={argnums}."
+        "Layer-wise loss scaling differentiates one argument (the params); got "
+        f"argnums={argnums!r}."
       )
     scales = self.scales
     context_args = dict(
@@ -411,36 +477,47 @@ class LayerwiseLossScale:
     )
     num_boundaries = self.num_stages - 1  # type: ignore[operator]  # an int after __post_init__
 
-    def scaled_fun(primal, probes, args, kwargs):
-      args = (*args[:argnums], primal, *args[argnums + 1 :])
+    def scaled_fun(*args, **kwargs):
+      *args, probes = args  # appended last, differentiated too: their gradient is the statistics
       with _activate(_BoundaryContext(probes=probes, **context_args)):
         out = fun(*args, **kwargs)
       value, aux = out if has_aux else (out, None)
-      return loss_scale._scale_tree(value, scales[-1]), (value, aux)
-
-    grad_fn = jax.value_and_grad(scaled_fun, argnums=(0, 1), has_aux=True)
+      return _tree_util.scale_tree(value, scales[-1]), (value, aux)
 
     def value_and_scaled_grad(*args, **kwargs):
       probes = BoundaryStats(
         jnp.zeros((num_boundaries,), jnp.float32),
         jnp.zeros((num_boundaries, HIST_BINS), jnp.float32),
       )
-      (_, (value, aux)), (grads, stats) = grad_fn(args[argnums], probes, args, kwargs)
+      grad_fn = value_and_grad(scaled_fun, argnums=(argnums, len(args)), has_aux=True)
+      (_, (value, aux)), (grads, stats) = grad_fn(*args, probes, **kwargs)
       return ((value, aux) if has_aux else value), LayerwiseGrads(grads, stats)
 
     return value_and_scaled_grad
 
-  def unscale_and_adjust(self, scaled_grads: Any, params: Any, *, axis_name: Any = None):
-    """Returns (unscaled grads, finite, next state); see the module docstring."""
+  def unscale_and_adjust(self, scaled_grads: Any, params: Any = None, *, axis_name: Any = None):
+    """Returns (unscaled grads, finite, next state); see the module docstring.
+
+    ``scaled_grads`` must be what :meth:`value_and_grad` returned: gradients
+    taken any other way carry no per-stage scales (with a single stage, the
+    gradients of ``loss * loss_scale`` are accepted too: there is one scale).
+    """
     if isinstance(scaled_grads, LayerwiseGrads):
       scaled_grads, boundary = scaled_grads
-    else:
+    elif self.num_stages == 1:
       boundary = None
+    else:
+      raise TypeError(
+        "A LayerwiseLossScale takes the gradients its own value_and_grad returns (a "
+        f"LayerwiseGrads), got {type(scaled_grads).__name__}. Take them with "
+        "jl.scaled_value_and_grad(loss_fn, opt_state) (or the Flax TrainState/Optimizer's "
+        "value_and_grad): plain jax.grad gradients carry no per-stage scales."
+      )
     leaves, treedef = jax.tree.flatten(scaled_grads)
     specs = self._leaf_specs(scaled_grads)
     leaves = [self._widen(g) for g in leaves]
     unscaled = [g / self._leaf_scale(g, spec) for g, spec in zip(leaves, specs, strict=True)]
-    grads = transform.cast_like_params(jax.tree.unflatten(treedef, unscaled), params)
+    grads = _tree_util.cast_like_params(jax.tree.unflatten(treedef, unscaled), params)
 
     # One max per stage gives the statistic and the finiteness (_amax maps NaN to inf).
     scales = self.scales
@@ -507,7 +584,7 @@ class LayerwiseLossScale:
 
   def _leaf_specs(self, grads) -> list:
     """The stage spec of every gradient leaf (param_stages may be a prefix)."""
-    treedef, specs = self.param_stages
+    treedef, specs = self._stage_tree
     try:
       per_leaf = jax.tree.map(
         lambda spec, subtree: jax.tree.map(lambda _: spec, subtree),
@@ -608,7 +685,7 @@ loss_scale._register(
   LayerwiseLossScale,
   ("scales", "steps_since_refresh", "amax_history", "amax", "underflow"),
   (
-    "param_stages",
+    "_stage_tree",
     "num_stages",
     "initial_scale",
     "update_period",
@@ -621,6 +698,8 @@ loss_scale._register(
     "backoff_factor",
     "histograms",
   ),
+  # param_stages may hold dicts (unhashable), so the hashable _stage_tree is the aux data.
+  rebuild=lambda obj: object.__setattr__(obj, "param_stages", jax.tree.unflatten(*obj._stage_tree)),
 )
 
 

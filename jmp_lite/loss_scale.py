@@ -25,23 +25,33 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any, TypeVar
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_lite import _tree_util
+
 T = TypeVar("T")
 
 
-def _register(cls, data_fields: tuple[str, ...], meta_fields: tuple[str, ...]):
+def _register(
+  cls,
+  data_fields: tuple[str, ...],
+  meta_fields: tuple[str, ...],
+  rebuild: Callable[[Any], None] | None = None,
+):
   """Registers a frozen dataclass as a pytree whose unflatten skips __init__.
 
   JAX rebuilds pytrees from placeholders (tracers, ``object()``, None), which
   must not go through validation; jmp's custom unflatten also dropped
   ``min_loss_scale``. Here every field round-trips: data fields as leaves,
-  meta fields as static aux data.
+  meta fields as static aux data; ``rebuild(obj)`` then restores fields derived
+  from them.
   """
 
   def flatten_with_keys(obj):
@@ -55,6 +65,8 @@ def _register(cls, data_fields: tuple[str, ...], meta_fields: tuple[str, ...]):
     obj = object.__new__(cls)
     for name, value in zip(data_fields + meta_fields, (*children, *meta), strict=True):
       object.__setattr__(obj, name, value)
+    if rebuild is not None:
+      rebuild(obj)
     return obj
 
   jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
@@ -73,14 +85,25 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _as_scale(value: jax.typing.ArrayLike, name: str) -> jax.Array:
-  """Converts a loss scale to a strongly typed floating scalar and checks it."""
+def _as_scale(value: jax.typing.ArrayLike, name: str, *, warn_integer: bool = False) -> jax.Array:
+  """Converts a loss scale to a strongly typed floating scalar and checks it.
+
+  An integer scale becomes float32; with ``warn_integer`` that conversion
+  warns, as jmp's ``DynamicLossScale`` does for an integer scale.
+  """
   if isinstance(value, (bool, np.bool_)) or (hasattr(value, "dtype") and value.dtype == bool):
     raise TypeError(f"{name} must be a positive number, got {value!r}.")
   scale = jnp.asarray(value)
   if not jnp.issubdtype(scale.dtype, jnp.floating):
     if not jnp.issubdtype(scale.dtype, jnp.integer):
       raise TypeError(f"{name} must be a real number or floating array, got dtype {scale.dtype}.")
+    if warn_integer:
+      # jmp's wording, so that filters written for jmp's warning still match.
+      warnings.warn(
+        f"Expected floating type for {name}, got {scale.dtype}; it is converted to float32. "
+        f"Pass a float (2.0 ** 15, or jnp.float32(2 ** 15)) to keep this dtype explicit.",
+        stacklevel=4,  # _as_scale <- __post_init__ <- __init__ <- the caller
+      )
     scale = scale.astype(jnp.float32)
   # A weakly typed scale would change type after the first adjust() and force
   # jit to retrace; an explicit dtype makes it strong.
@@ -134,29 +157,139 @@ def _check_predicate(pred: Any, name: str) -> jax.Array:
   return pred
 
 
-def _scale_tree(tree: T, scale: jax.Array) -> T:
-  def scale_leaf(x):
-    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-      return x
-    return x * scale
+@runtime_checkable
+class LossScale(Protocol):
+  r"""The loss-scale contract: what every kind of loss scale implements.
 
-  return jax.tree_util.tree_map(scale_leaf, tree)
+  A loss scale is an immutable pytree (its state as leaves, its configuration
+  static) that knows how to differentiate a scaled loss and how to turn the
+  resulting gradients back into true ones. Everything in jmp_lite that scales a
+  loss (:func:`jmp_lite.loss_scaling`, :func:`jmp_lite.scaled_value_and_grad`,
+  the Flax ``TrainState`` and ``Optimizer``, fp8, the diagnostics) goes through
+  these members and nothing else, so a new kind plugs in everywhere:
+
+  .. math::
+
+    (\ell, \hat g) = \texttt{value\_and\_grad}(f)(\theta), \qquad
+    (g, \text{finite}, \text{next}) = \texttt{unscale\_and\_adjust}(\hat g, \theta)
+
+  with :math:`\hat g` the gradients of the scaled loss and :math:`g` the true
+  ones. :class:`NoOpLossScale`, :class:`StaticLossScale` and
+  :class:`DynamicLossScale` scale every gradient by one value (``uniform`` is
+  True); :class:`jmp_lite.LayerwiseLossScale` gives each stage of the network its
+  own (``uniform`` is False: then ``loss_scale`` is the loss's own scale, not
+  every gradient's, and ``scale`` refuses, since a plain ``jax.grad`` of a
+  scaled loss cannot give stages different scales).
+  """
+
+  uniform: ClassVar[bool]
+  """Whether every gradient carries the one scale ``loss_scale``."""
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    """The factor the loss is multiplied by (a scalar)."""
+    ...
+
+  @property
+  def at_minimum(self) -> jax.Array:
+    """Whether the scale is pinned at its floor (a bool scalar; False if fixed)."""
+    ...
+
+  def scale(self, tree: T) -> T:
+    """Multiplies a loss (or any tree of floating values) by ``loss_scale``."""
+    ...
+
+  def unscale(self, tree: T) -> T:
+    """Divides scaled gradients by the scale each carries, in at least fp32."""
+    ...
+
+  def adjust(self, grads_finite: jax.Array) -> Self:
+    """The next state, given only whether this step's gradients were finite."""
+    ...
+
+  def value_and_grad(
+    self,
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: Any = 0,
+    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+  ) -> Callable[..., tuple[Any, Any]]:
+    """Like ``value_and_grad(fun)``, with the gradients of the scaled loss.
+
+    Args:
+      fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
+      has_aux: as in :func:`jax.value_and_grad`.
+      argnums: which argument(s) to differentiate, in the form that
+        ``value_and_grad`` takes (e.g. an ``nnx.DiffState`` for
+        :func:`flax.nnx.value_and_grad`).
+      value_and_grad: the differentiation transform, with
+        :func:`jax.value_and_grad`'s signature (``fun, argnums, has_aux``).
+
+    Returns:
+      A function with ``fun``'s signature returning ``(value, scaled_grads)``:
+      ``value`` is ``fun``'s own, unscaled; ``scaled_grads`` is what
+      :meth:`unscale` and :meth:`unscale_and_adjust` take.
+    """
+    ...
+
+  def unscale_and_adjust(
+    self, scaled_grads: Any, params: Any = None, *, axis_name: Any = None
+  ) -> tuple[Any, jax.Array, Self]:
+    """Unscales, checks finiteness once and adjusts: one step's bookkeeping.
+
+    Args:
+      scaled_grads: what :meth:`value_and_grad` returned.
+      params: the parameters; the true gradients are cast to their dtypes
+        (``None``: to at least fp32).
+      axis_name: under ``shard_map``/``pmap``, the axis whose devices must
+        agree on finiteness.
+
+    Returns:
+      ``(grads, finite, next_loss_scale)``: the true gradients with the
+      parameters' structure, whether all of them are finite (a bool scalar,
+      the same on every device of ``axis_name``), and the loss scale for the
+      next step.
+    """
+    ...
 
 
-def _unscale_tree(tree: T, scale: jax.Array) -> T:
-  # Unscaling in 16 bits would push the small gradients that scaling rescued
-  # straight back under fp16's range, so it happens in at least fp32.
-  def unscale_leaf(x):
-    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-      return x
-    dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
-    return jnp.asarray(x, dtype) * (1 / scale.astype(dtype))
+class _UniformScale:
+  """The contract's derived half for kinds with one scale for every gradient."""
 
-  return jax.tree_util.tree_map(unscale_leaf, tree)
+  uniform: ClassVar[bool] = True
+
+  def value_and_grad(
+    self: Any,
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: Any = 0,
+    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+  ) -> Callable[..., tuple[Any, Any]]:
+    def scaled_fun(*args, **kwargs):
+      out = fun(*args, **kwargs)
+      value, aux = out if has_aux else (out, None)
+      return self.scale(value), (value, aux)
+
+    grad_fn = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+    def value_and_scaled_grad(*args, **kwargs):
+      (_, (value, aux)), grads = grad_fn(*args, **kwargs)
+      return ((value, aux) if has_aux else value), grads
+
+    return value_and_scaled_grad
+
+  def unscale_and_adjust(
+    self: Any, scaled_grads: Any, params: Any = None, *, axis_name: Any = None
+  ):
+    grads = _tree_util.cast_like_params(self.unscale(scaled_grads), params)
+    finite = all_finite(grads, axis_name)
+    return grads, finite, self.adjust(finite)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class NoOpLossScale:
+class NoOpLossScale(_UniformScale):
   """A loss scale of 1: scale and unscale return their input unchanged.
 
   With :func:`jmp_lite.loss_scaling` it still skips steps with non-finite
@@ -170,6 +303,10 @@ class NoOpLossScale:
   def loss_scale(self) -> np.ndarray:
     return np.ones((), np.float32)
 
+  @property
+  def at_minimum(self) -> jax.Array:
+    return jnp.zeros((), jnp.bool_)
+
   def scale(self, tree: T) -> T:
     return tree
 
@@ -182,7 +319,7 @@ class NoOpLossScale:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StaticLossScale:
+class StaticLossScale(_UniformScale):
   """Scales and unscales by a fixed ``loss_scale`` (use a power of two).
 
   ``scale`` multiplies floating leaves by S with JAX's type promotion (a fp32
@@ -203,11 +340,15 @@ class StaticLossScale:
   def __post_init__(self):
     object.__setattr__(self, "loss_scale", _as_scale(self.loss_scale, "loss_scale"))
 
+  @property
+  def at_minimum(self) -> jax.Array:
+    return jnp.zeros((), jnp.bool_)
+
   def scale(self, tree: T) -> T:
-    return _scale_tree(tree, self.loss_scale)
+    return _tree_util.scale_tree(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _unscale_tree(tree, self.loss_scale)
+    return _tree_util.unscale_tree(tree, self.loss_scale)
 
   def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
     _check_predicate(grads_finite, "grads_finite")
@@ -215,7 +356,7 @@ class StaticLossScale:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DynamicLossScale:
+class DynamicLossScale(_UniformScale):
   """A loss scale that finds the largest value keeping gradients finite.
 
   ``adjust(grads_finite)`` implements::
@@ -268,9 +409,12 @@ class DynamicLossScale:
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
-    scale = _as_scale(self.loss_scale, "loss_scale")
+    scale = _as_scale(self.loss_scale, "loss_scale", warn_integer=True)
     set_("loss_scale", scale)
-    set_("period", _check_int(self.period, "period", 1))
+    period = self.period
+    if isinstance(period, (float, np.floating)) and float(period).is_integer():
+      period = int(period)  # jmp accepts period=2000.0; 2000.5 still raises below
+    set_("period", _check_int(period, "period", 1))
     set_("hysteresis", _check_int(self.hysteresis, "hysteresis", 1))
     if isinstance(self.factor, (bool, np.bool_)) or not isinstance(self.factor, numbers.Real):
       raise TypeError(f"factor must be a real number > 1, got {self.factor!r}.")
@@ -303,11 +447,15 @@ class DynamicLossScale:
       raise ValueError(f"{name} must be in [0, {largest}], got {int(count)}.")
     return count
 
+  @property
+  def at_minimum(self) -> jax.Array:
+    return self.loss_scale <= jnp.asarray(self.min_loss_scale, self.loss_scale.dtype)
+
   def scale(self, tree: T) -> T:
-    return _scale_tree(tree, self.loss_scale)
+    return _tree_util.scale_tree(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _unscale_tree(tree, self.loss_scale)
+    return _tree_util.unscale_tree(tree, self.loss_scale)
 
   def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
     """Returns the next state given whether this step's gradients were finite."""
@@ -338,8 +486,6 @@ _register(
   ("loss_scale", "counter", "overflow_streak"),
   ("period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"),
 )
-
-LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:

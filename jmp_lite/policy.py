@@ -38,7 +38,9 @@ _KEYS = {
 }
 
 
-def _cast_floating_to(tree: T, dtype: np.dtype) -> T:
+def _cast_floating_to(tree: T, dtype: dtypes.DTypeLike) -> T:
+  dtype = np.dtype(dtype)  # a scalar type such as jnp.bfloat16 -> its np.dtype
+
   def cast(x):
     if (
       isinstance(x, (np.ndarray, jax.Array))
@@ -56,9 +58,13 @@ class Policy:
   """Dtypes for parameters, computation and outputs (hashable, jit-static).
 
   Each dtype may be given as a name accepted by :func:`jmp_lite.dtypes.parse_dtype`
-  or any dtype-like object; it is stored as an ``np.dtype`` (which compares
-  equal to ``jnp.float32`` etc.). fp8 formats are accepted for ``compute_dtype``
-  only: parameters and outputs in 8 bits would lose the training signal.
+  or any dtype-like object; as in jmp it is stored as the JAX scalar type
+  (``jnp.float32``, ``jnp.bfloat16``, ``jnp.float8_e4m3fn``...; see
+  :func:`jmp_lite.dtypes.scalar_type`): callable (``policy.compute_dtype(1.0)``
+  is an array), a dict key next to ``jnp.float16``, equal to the ``np.dtype``,
+  and ``jnp.dtype(policy.compute_dtype)`` is that ``np.dtype``. fp8 formats are
+  accepted for ``compute_dtype`` only: parameters and outputs in 8 bits would
+  lose the training signal.
 
   Only floating-point array leaves (``jax.Array`` or ``np.ndarray``) are cast;
   integer arrays, Python scalars and other leaves pass through unchanged.
@@ -69,11 +75,13 @@ class Policy:
   {'step': 'int32', 'w': 'bfloat16'}
   >>> policy.cast_to_output(jnp.ones(2, jnp.bfloat16)).dtype.name
   'float32'
+  >>> policy.compute_dtype is jnp.bfloat16, policy.compute_dtype(2.0).dtype.name
+  (True, 'bfloat16')
   """
 
-  param_dtype: np.dtype
-  compute_dtype: np.dtype
-  output_dtype: np.dtype
+  param_dtype: dtypes.ScalarType
+  compute_dtype: dtypes.ScalarType
+  output_dtype: dtypes.ScalarType
 
   if TYPE_CHECKING:  # The dataclass __init__ accepts names too; __post_init__ parses them.
 
@@ -92,7 +100,7 @@ class Policy:
           f"{field.name}={dtype.name} is not supported: fp8 is accepted for the "
           "compute dtype only; keep parameters and outputs in 16 or 32 bits."
         )
-      object.__setattr__(self, field.name, dtype)
+      object.__setattr__(self, field.name, dtypes.scalar_type(dtype))
 
   def cast_to_param(self, x: T) -> T:
     """Casts the floating-point leaves of ``x`` to the param dtype."""
@@ -139,8 +147,8 @@ def get_policy(policy_name: str | Policy) -> Policy:
     TypeError: for a non-string argument or a non-floating dtype.
 
   >>> policy = get_policy("params=float32, compute=float16, output=float32")
-  >>> policy.compute_dtype.name, str(policy)
-  ('float16', 'p=f32,c=f16,o=f32')
+  >>> policy.compute_dtype is jnp.float16, str(policy)
+  (True, 'p=f32,c=f16,o=f32')
   >>> str(get_policy("c=bf16")), str(get_policy("mixed_float16"))
   ('p=f32,c=bf16,o=bf16', 'p=f32,c=f16,o=f16')
   >>> get_policy("p=f32,c=bf16,o=f32") == get_policy("p=f32,c=bf16,o=f32")  # hashable, jit-static

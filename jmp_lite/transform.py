@@ -29,14 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lite import loss_scale as loss_scale_lib
 from jmp_lite.loss_scale import LossScale
-
-_LOSS_SCALE_TYPES = (
-  loss_scale_lib.NoOpLossScale,
-  loss_scale_lib.StaticLossScale,
-  loss_scale_lib.DynamicLossScale,
-)
 
 
 class LossScalingState(NamedTuple):
@@ -59,39 +52,8 @@ class LossScalingState(NamedTuple):
   last_finite: jax.Array
 
 
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def cast_like_params(grads: Any, params: Any) -> Any:
-  """Casts unscaled gradients to at least fp32, or to each parameter's dtype.
-
-  The inner optimizer's state was created from the params, so gradients in the
-  param dtype keep the state's dtypes (and the jitted step's signature) fixed.
-  """
-  if params is None:
-    return jax.tree.map(
-      lambda g: jnp.asarray(g, jnp.promote_types(g.dtype, jnp.float32)) if _is_float(g) else g,
-      grads,
-    )
-  return jax.tree.map(
-    lambda g, p: g.astype(p.dtype) if _is_float(g) and _is_float(p) else g, grads, params
-  )
-
-
 def _is_loss_scale(x: Any) -> bool:
-  # Other kinds (e.g. LayerwiseLossScale, in a module above this one) adjust
-  # themselves from the gradients: they implement `unscale_and_adjust`.
-  return isinstance(x, _LOSS_SCALE_TYPES) or hasattr(x, "unscale_and_adjust")
-
-
-def _unscale_and_adjust(loss_scale: Any, scaled_grads: Any, params: Any, axis_name: Any):
-  """Returns (unscaled grads, finite, next loss scale)."""
-  if hasattr(loss_scale, "unscale_and_adjust"):
-    return loss_scale.unscale_and_adjust(scaled_grads, params, axis_name=axis_name)
-  grads = cast_like_params(loss_scale.unscale(scaled_grads), params)
-  finite = loss_scale_lib.all_finite(grads, axis_name)
-  return grads, finite, loss_scale.adjust(finite)
+  return isinstance(x, LossScale)
 
 
 def loss_scaling(
@@ -105,8 +67,9 @@ def loss_scaling(
   Args:
     inner: the optimizer (any Optax transformation, e.g. a chain with clipping:
       clipping inside ``inner`` sees the true, unscaled gradients).
-    loss_scale: the initial :class:`NoOpLossScale`, :class:`StaticLossScale` or
-      :class:`DynamicLossScale`.
+    loss_scale: the initial loss scale: any :class:`LossScale`
+      (:class:`NoOpLossScale`, :class:`StaticLossScale`,
+      :class:`DynamicLossScale`, :class:`LayerwiseLossScale`).
     axis_name: under ``shard_map``/``pmap``, the axis (or axes) whose devices
       must agree on skipping a step. Not needed under sharded ``jit``.
 
@@ -138,8 +101,8 @@ def loss_scaling(
     )
   if not _is_loss_scale(loss_scale):
     raise TypeError(
-      "loss_scale must be a NoOpLossScale, StaticLossScale, DynamicLossScale or "
-      f"LayerwiseLossScale, got {type(loss_scale).__name__}."
+      "loss_scale must be a jmp_lite.LossScale (NoOpLossScale, StaticLossScale, "
+      f"DynamicLossScale, LayerwiseLossScale), got {type(loss_scale).__name__}."
     )
   inner = optax.with_extra_args_support(inner)
 
@@ -155,8 +118,8 @@ def loss_scaling(
     )
 
   def update(scaled_grads, state, params=None, **extra_args):
-    grads, finite, loss_scale = _unscale_and_adjust(
-      state.loss_scale, scaled_grads, params, axis_name
+    grads, finite, loss_scale = state.loss_scale.unscale_and_adjust(
+      scaled_grads, params, axis_name=axis_name
     )
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     # jnp.where never lets the NaN of the unselected branch through.
@@ -239,19 +202,4 @@ def scaled_value_and_grad(
     straight into the :func:`loss_scaling` transformation's ``update``, which
     unscales them.
   """
-  scale = get_loss_scale(loss_scale)
-  if hasattr(scale, "scaled_value_and_grad"):  # e.g. layer-wise: gradients carry statistics
-    return scale.scaled_value_and_grad(fun, has_aux=has_aux, argnums=argnums)
-
-  def scaled_fun(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    value, aux = out if has_aux else (out, None)
-    return scale.scale(value), (value, aux)
-
-  grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
-
-  def value_and_scaled_grad(*args, **kwargs):
-    (_, (value, aux)), grads = grad_fn(*args, **kwargs)
-    return ((value, aux) if has_aux else value), grads
-
-  return value_and_scaled_grad
+  return get_loss_scale(loss_scale).value_and_grad(fun, has_aux=has_aux, argnums=argnums)

@@ -5,8 +5,11 @@ tests check that findings point at the user's source line, not at JAX or Flax in
 """
 
 import functools
+import importlib.util
+import inspect
 import json
 import pathlib
+import sys
 
 import flax.linen as nn
 import jax
@@ -17,7 +20,7 @@ import pytest
 from jax import lax
 
 import jmp_lite as jl
-from jmp_lite.audit import CHECKS, AuditConfig, audit, audit_jaxpr
+from jmp_lite import AUDIT_CHECKS, AuditConfig, audit, audit_jaxpr
 from jmp_lite.transform import loss_scaling, scaled_value_and_grad
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
@@ -192,7 +195,7 @@ class ConvNet(nn.Module):
       if self.flax_norm:
         x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
       else:
-        mean, var = x.mean((0, 1, 2)), x.var((0, 1, 2))
+        mean, var = x.mean((0, 1, 2)), x.var((0, 1, 2))  # <batchnorm-stats>
         x = (x - mean) / jnp.sqrt(var + 1e-5)  # <batchnorm>
       x = nn.avg_pool(nn.relu(x), (2, 2), (2, 2))
     x = nn.RMSNorm(dtype=self.dtype)(x.mean(axis=(1, 2)))
@@ -205,7 +208,11 @@ def test_convnet_train_step_both_ways(compute):
   x, labels = jnp.ones((4, 16, 16, 3)), jnp.zeros(4, jnp.int32)
   policy = jl.get_policy(f"p=f32,c={jnp.dtype(compute).name},o=f32")
   tx = loss_scaling(optax.adamw(1e-3), jl.DynamicLossScale(jnp.float32(2**15)))
-  for flax_norm, expected in [(True, []), (False, ["normalization", "normalization"])]:
+  # jnp.var of float16 values computes in float32 and casts the variance back to float16, which
+  # overflows from |x - mean| > 256 on: a cast finding per layer (float16 only: bfloat16 has the
+  # range).
+  wrong = ["normalization"] * 2 + (["cast"] * 2 if compute == F16 else [])
+  for flax_norm, expected in [(True, []), (False, wrong)]:
     model = ConvNet(compute, flax_norm)
     variables = jax.eval_shape(
       lambda key, model=model: model.init(key, x, False), jax.random.key(0)
@@ -231,8 +238,11 @@ def test_convnet_train_step_both_ways(compute):
 
     params, stats = variables["params"], variables.get("batch_stats", {})
     report = audit(step, params, stats, jax.eval_shape(tx.init, params), jax.random.key(1))
-    assert checks(report) == expected, str(report)
-    assert {f.location.line for f in report} <= {line_of("batchnorm")}
+    assert sorted(checks(report)) == sorted(expected), str(report)
+    assert {(f.check, f.location.line) for f in report} <= {
+      ("normalization", line_of("batchnorm")),
+      ("cast", line_of("batchnorm-stats")),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ X32 = X16.astype(F32)
 
 def _manual_layer_norm(x):
   mean = jnp.mean(x, -1, keepdims=True)
-  var = jnp.var(x, -1, keepdims=True)
+  var = jnp.var(x, -1, keepdims=True)  # <layernorm-var>
   return (x - mean) * lax.rsqrt(var + 1e-5)  # <layernorm>
 
 
@@ -326,7 +336,9 @@ EXPECTED = {
   "logistic": (["logistic"], "logistic"),
   "reduction": (["reduction"], "cumsum"),
   "reduction-bf16": (["reduction"], "reduce-sum"),
-  "normalization": (["normalization"], "layernorm"),
+  # jnp.var of float16 values returns a float32 variance cast to float16: it overflows from
+  # |x - mean| > 256 on.
+  "normalization": (["cast", "normalization"], ("layernorm-var", "layernorm")),
   "rms-normalization": (["normalization", "normalization"], "rmsnorm"),  # x**2 and rsqrt
   "division": (["division"], "division"),
   "matmul": (["matmul"], "matmul-fp8"),
@@ -344,15 +356,18 @@ def test_each_check_fires_and_its_fix_is_quiet(case):
   expected, marker = EXPECTED[case]
   report = audit(bad, x)
   assert checks(report) == expected, str(report)
-  assert {f.location.line for f in report} == {line_of(marker)}
+  markers = (marker,) if isinstance(marker, str) else marker
+  assert {f.location.line for f in report} == {line_of(m) for m in markers}
   assert all(f.message for f in report)
+  assert not any(f.autodiff or f.backward for f in report)  # no grad here: the user wrote them
   quiet = audit(good, x)
   assert not quiet, str(quiet)
 
 
 def test_every_check_has_a_case():
   covered = {c for expected, _ in EXPECTED.values() for c in expected}
-  assert covered | {"softmax"} == set(CHECKS)  # softmax: the transformer tests above
+  # softmax: the transformer tests above; fp32_matmul needs a compute dtype: its own tests below.
+  assert covered | {"softmax", "fp32_matmul"} == set(AUDIT_CHECKS)
 
 
 def test_reduction_threshold_is_one_over_epsilon():
@@ -388,6 +403,57 @@ def test_bfloat16_casts_lose_no_range():
   # bfloat16 has float32's exponent: casting exp() results to it cannot overflow.
   assert not audit(lambda x: jnp.exp(x).astype(BF16), X32)
   assert checks(audit(lambda x: jnp.exp(x).astype(F16), X32)) == ["cast"]
+
+
+# A mean is a sum divided by a count: it overflows float16 when what it averages can.
+OVERFLOWING_MEANS = {
+  "mean-of-square": lambda x: jnp.mean(x**2, -1).astype(F16),  # <mean-of-square>
+  "var": lambda x: jnp.var(x).astype(F16),  # <var>
+  "mean-of-exp": lambda x: jnp.mean(jnp.exp(x)).astype(F16),  # <mean-of-exp>
+  "sum-of-square": lambda x: jnp.sum(x**2, -1).astype(F16),  # <sum-of-square>
+  "mean-of-x-times-x": lambda x: jnp.mean(x * x, -1).astype(F16),  # <mean-of-x-times-x>
+}
+
+
+@pytest.mark.parametrize("case", list(OVERFLOWING_MEANS))
+def test_casts_after_a_mean_are_reported(case):
+  (finding,) = audit(OVERFLOWING_MEANS[case], X32)
+  assert (finding.check, finding.primitive) == ("cast", "convert_element_type"), str(finding)
+  assert finding.dtype == "float16" and finding.operands[0].startswith("float32[")
+  assert finding.location.line == line_of(case)
+  assert "can exceed float16's max 65504" in finding.message
+
+
+def test_means_that_fit_are_not_reported():
+  # float32 statistics kept in float32, or cast to bfloat16 (float32's range): correct policies.
+  assert not audit(lambda x: jnp.mean(x**2, -1).astype(F32), X32)
+  assert not audit(lambda x: jnp.mean(x**2, -1).astype(BF16), X32)
+  assert not audit(lambda x: jnp.var(x).astype(BF16), X32)
+  # A mean of 2048 values lies within their range: the long sum's growth is divided away.
+  assert not audit(lambda x: jnp.mean(x).astype(F16), jnp.ones(2048, F32))
+  assert not audit(lambda x: (jnp.sum(x) * (1 / 2048)).astype(F16), jnp.ones(2048, F32))
+  assert checks(audit(lambda x: (jnp.sum(x) / 2).astype(F16), jnp.ones(2048, F32))) == ["cast"]
+  # Squares computed in float16 are at most 65504 (or already inf, reported as normalization):
+  # their float32 mean cast back fits.
+  assert checks(audit(lambda x: jnp.mean(jnp.square(x), -1), X16)) == ["normalization"]
+  # Bounded values: a mean of tanh, a clipped square.
+  assert not audit(lambda x: jnp.mean(jnp.tanh(x), -1).astype(F16), X32)
+  assert not audit(lambda x: jnp.mean(jnp.minimum(x**2, 100.0), -1).astype(F16), X32)
+  assert not audit(lambda x: jnp.clip(jnp.mean(jnp.exp(x)), 0, 1e4).astype(F16), X32)
+
+
+def test_ranges_flow_through_branches_clamps_and_updates():
+  # A cond's result is one of its branches'; a clamp with an unknown bound keeps the exp's
+  # growth; a dynamic_update_slice writes the update, not the (traced) indices.
+  branch = lambda x: lax.cond(x[0, 0] > 0, jnp.exp, lambda y: y, x).astype(F16)
+  clamp = lambda x: lax.clamp(0.0, jnp.exp(x), x).astype(F16)
+  mask = jnp.full((1, 4), -1e9, F32)
+  update = lambda x: lax.dynamic_update_slice(x * 0, mask, (0, jnp.argmax(x[0]))).astype(F16)
+  for fn in (branch, clamp, update):
+    (finding,) = audit(fn, X32)
+    assert finding.check == "cast", str(finding)
+  assert "magnitude 1e+09" in audit(update, X32).findings[0].message
+  assert not audit(lambda x: lax.cond(x[0, 0] > 0, jnp.tanh, jnp.sin, x).astype(F16), X32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,6 +511,111 @@ def test_backward_pass_only_on_request():
   backward = [f for f in both if f.backward]
   assert backward and all("transpose" in f.scope for f in backward)
   assert {f.location.line for f in both} == {line_of("nested")}
+  # Every operation of the backward pass is autodiff's; the forward softmax is the user's.
+  assert all(f.autodiff for f in backward) and not forward_only.findings[0].autodiff
+
+
+@pytest.mark.parametrize("wrap", ["plain", "jit", "scan"])
+def test_autodiff_created_operations_are_labelled(wrap):
+  # rsqrt's derivative, -0.5 * rsqrt(x) / x, divides by the 16-bit statistics: a division the
+  # user's line did not write. Inside jit/scan JAX gives it the rsqrt's traceback.
+  norm = {
+    "plain": _rms_norm,
+    "jit": jax.jit(_rms_norm),
+    "scan": lambda x: lax.scan(lambda c, row: (c, _rms_norm(row)), 0.0, x)[1],
+  }[wrap]
+  grad_fn = jax.grad(lambda x: norm(x).astype(F32).sum())
+  for config in (None, AuditConfig(include_backward=True)):
+    report = audit(grad_fn, X16, audit_config=config)
+    forward = [f for f in report if not f.backward]
+    assert [(f.check, f.primitive, f.autodiff, f.derivative_of) for f in forward] == [
+      ("normalization", "square", False, None),  # written by the user
+      ("normalization", "rsqrt", False, None),
+      ("division", "div", True, "rsqrt"),  # created by autodiff
+    ], str(report)
+    assert {f.location.line for f in report} == {line_of("rmsnorm")}
+    assert all(f.autodiff for f in report if f.backward)
+  created = forward[2]
+  assert f"[division] created by autodiff: the derivative of rsqrt at {created.location}" in str(
+    report
+  )
+  assert "derivative of rsqrt: computing rsqrt in float32" in created.message
+  assert created.to_dict()["autodiff"] is True and created.to_dict()["derivative_of"] == "rsqrt"
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 matmuls under a 16-bit policy
+
+
+class FlaxExamplesCNN(nn.Module):
+  """The Flax examples' idiom: every layer built with ``dtype=self.dtype``, float32 by default."""
+
+  dtype: jnp.dtype | None = F32
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(4, (3, 3), dtype=self.dtype)(x))  # <fp32-conv>
+    x = nn.relu(nn.Dense(8, dtype=self.dtype)(x.reshape(x.shape[0], -1)))  # <fp32-dense>
+    return nn.Dense(2, dtype=self.dtype)(x)  # <fp32-head>
+
+
+@pytest.mark.filterwarnings("ignore:policy_apply")  # linen's own warning about explicit dtypes
+def test_fp32_matmuls_under_a_16_bit_policy():
+  x = jnp.ones((2, 4, 4, 1))
+  expected = [
+    ("conv_general_dilated", "FlaxExamplesCNN/Conv_0", line_of("fp32-conv"), 9),
+    ("dot_general", "FlaxExamplesCNN/Dense_0", line_of("fp32-dense"), 64),
+    ("dot_general", "FlaxExamplesCNN/Dense_1", line_of("fp32-head"), 8),
+  ]
+  # Given explicitly: the function policy_apply returns does not carry its policy (yet).
+  config = AuditConfig(compute_dtype="bfloat16")
+  for dtype, wanted in [(F32, expected), (None, [])]:  # None: Flax's default follows the policy
+    model = FlaxExamplesCNN(dtype)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    apply_fn = jl.flax.policy_apply(model, "p=f32,c=bf16,o=f32")
+    report = audit(apply_fn, variables, x, audit_config=config)
+    assert [(f.primitive, f.scope, f.location.line, f.size) for f in report] == wanted, str(report)
+    assert all((f.check, f.dtype) == ("fp32_matmul", "bfloat16") for f in report)
+    # In a training step, the forward matmuls are reported (their transposes mirror them).
+    grad_fn = jax.grad(lambda v, x, apply_fn=apply_fn: apply_fn(v, x).sum())
+    both = AuditConfig(compute_dtype="bfloat16", include_backward=True)
+    assert [
+      (f.primitive, f.location.line) for f in audit(grad_fn, variables, x, audit_config=both)
+    ] == [(primitive, line) for primitive, _, line, _ in wanted]
+
+
+def test_fp32_matmul_needs_a_16_bit_compute_dtype():
+  x, w = jnp.ones((2, 8), F32), jnp.ones((8, 4), F32)
+  assert not audit(jnp.dot, x, w)  # pure float32 code: no compute dtype, no check
+  assert not audit(jnp.dot, x, w, audit_config=AuditConfig(compute_dtype="float32"))
+  (finding,) = audit(jnp.dot, x, w, audit_config=AuditConfig(compute_dtype="f16"))
+  assert (finding.check, finding.dtype, finding.size) == ("fp32_matmul", "float16", 8)
+  # 16-bit operands with a float32 result are what a 16-bit policy asks for.
+  dot32 = lambda a, b: jnp.dot(a, b, preferred_element_type=F32)
+  bf16 = AuditConfig(compute_dtype="bf16")
+  assert not audit(dot32, x.astype(BF16), w.astype(BF16), audit_config=bf16)
+  # Only the audited formats: a float16 compute dtype with formats=("bfloat16",) is out of scope.
+  assert not audit(jnp.dot, x, w, audit_config=AuditConfig(compute_dtype="f16", formats=["bf16"]))
+
+
+def test_fp32_matmul_takes_the_compute_dtype_from_the_functions_policy():
+  x, w = jnp.ones((2, 8), F32), jnp.ones((8, 4), F32)
+
+  def apply_fn(x, w):
+    return jnp.dot(x, w)
+
+  apply_fn.policy = jl.get_policy("p=f32,c=bf16,o=f32")  # what a policy-wrapped function carries
+  for fn, args in [
+    (apply_fn, (x, w)),
+    (jax.jit(apply_fn), (x, w)),
+    (functools.partial(apply_fn, w=w), (x,)),
+  ]:
+    (finding,) = audit(fn, *args)
+    assert (finding.check, finding.dtype) == ("fp32_matmul", "bfloat16")
+  # An explicit compute_dtype wins; a float32 policy asks for float32 matmuls.
+  assert not audit(apply_fn, x, w, audit_config=AuditConfig(compute_dtype="float32"))
+  apply_fn.policy = jl.get_policy("float32")
+  assert not audit(apply_fn, x, w)
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,6 +655,8 @@ def test_allow_lists_and_selection():
     ({"allow_primitives": "exp"}, TypeError, "allow_primitives"),
     ({"allow_locations": [3]}, TypeError, "3"),
     ({"allow": "exp"}, TypeError, "allow"),
+    ({"compute_dtype": "int8"}, TypeError, "compute_dtype='int8'"),
+    ({"compute_dtype": "float17"}, ValueError, "compute_dtype='float17'"),
   ],
 )
 def test_config_validation(kwargs, error, match):
@@ -533,3 +706,19 @@ def test_abstract_arguments_and_static_flags():
 def test_audit_jaxpr_of_a_traced_function():
   closed = jax.make_jaxpr(_softmax16)(X16)
   assert checks(audit_jaxpr(closed)) == ["softmax"]
+
+
+def test_audit_is_the_function_and_no_module_is_shadowed():
+  # jl.audit is the function; its implementation lives in the private jmp_lite._audit.
+  assert inspect.isfunction(jl.audit) and jl.audit is audit
+  assert importlib.util.find_spec("jmp_lite.audit") is None
+  assert jl.AUDIT_CHECKS is AUDIT_CHECKS and "fp32_matmul" in jl.AUDIT_CHECKS
+  # A public submodule of jmp_lite is reachable as the attribute of its name, not hidden by a
+  # function or class of the same name.
+  for name, module in list(sys.modules.items()):
+    parent, _, child = name.rpartition(".")
+    if parent == "jmp_lite" and not child.startswith("_") and module is not None:
+      assert getattr(jl, child, module) is module, f"jmp_lite.{child} hides the module {name}"
+  for name in dir(jl):
+    if not name.startswith("_") and inspect.ismodule(getattr(jl, name)):
+      assert getattr(jl, name).__name__ == f"jmp_lite.{name}", name

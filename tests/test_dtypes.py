@@ -110,7 +110,7 @@ def test_every_accepted_name_round_trips_through_dtype_name():
   ],
 )
 def test_half_dtype_for_platform(platform, cc, expected):
-  assert dtypes.half_dtype_for(platform, cc) == np.dtype(expected)
+  assert dtypes.half_dtype_for(platform, cc) is expected  # the JAX scalar type, as jmp's
 
 
 def test_half_dtype_reads_the_device():
@@ -122,9 +122,55 @@ def test_half_dtype_reads_the_device():
     platform = "gpu"
     compute_capability = "9.0"
 
-  assert jl.half_dtype(FakeV100()) == np.dtype(jnp.float16)
-  assert jl.half_dtype(FakeH100()) == np.dtype(jnp.bfloat16)
-  assert jl.half_dtype() == np.dtype(jnp.bfloat16)  # tests run on CPU
+  assert jl.half_dtype(FakeV100()) is jnp.float16
+  assert jl.half_dtype(FakeH100()) is jnp.bfloat16
+  assert jl.half_dtype() is jnp.bfloat16  # tests run on CPU
+
+
+def test_half_dtype_is_callable_like_jmps():
+  # jmp's README: jmp.DynamicLossScale(jmp.half_dtype()(2 ** 15)).
+  scale = jl.half_dtype()(2**15)
+  assert scale.dtype == jnp.bfloat16 and float(scale) == 2.0**15
+  assert jnp.dtype(jl.half_dtype()) == np.dtype(jnp.bfloat16)
+  assert jl.parse_dtype("half") == np.dtype(jnp.bfloat16)
+  assert isinstance(jl.parse_dtype("half"), np.dtype)
+
+
+@pytest.mark.parametrize(
+  "value, expected",
+  [
+    ("f32", jnp.float32),
+    ("float16", jnp.float16),
+    (" BF16 ", jnp.bfloat16),
+    ("full", jnp.float32),
+    ("f64", jnp.float64),
+    ("float8_e4m3fn", jnp.float8_e4m3fn),
+    ("e5m2", jnp.float8_e5m2),
+    (np.dtype("float16"), jnp.float16),
+    (np.float32, jnp.float32),
+    (ml_dtypes.bfloat16, jnp.bfloat16),
+    (jnp.bfloat16, jnp.bfloat16),
+  ],
+)
+def test_scalar_type(value, expected):
+  scalar = dtypes.scalar_type(value)
+  assert scalar is expected
+  assert scalar == np.dtype(expected) and np.dtype(scalar) == np.dtype(expected)
+  assert hash(scalar) == hash(np.dtype(expected).type)  # finds dict keys np.float16 and jnp.float16
+
+
+def test_scalar_type_without_a_jax_name_is_numpys():
+  # No jax.numpy alias for long double: NumPy's scalar type, callable and hashable too.
+  if np.dtype(np.longdouble) == np.dtype(np.float64):
+    pytest.skip("long double is float64 on this platform")
+  assert dtypes.scalar_type(np.longdouble) is np.longdouble
+
+
+def test_scalar_type_rejects_what_parse_dtype_rejects():
+  with pytest.raises(TypeError, match="int32"):
+    dtypes.scalar_type(jnp.int32)
+  with pytest.raises(ValueError, match="Unknown dtype name"):
+    dtypes.scalar_type("f33")
 
 
 def test_half_dtype_for_unknown_platform():

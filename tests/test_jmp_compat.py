@@ -2,10 +2,12 @@
 
 import dataclasses
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jmp_lite as jmp
 
@@ -89,3 +91,227 @@ def test_loss_scale_attribute_and_adjust_on_all_kinds():
     assert float(scale.loss_scale) in (1.0, 4.0)
     assert isinstance(scale.adjust(jnp.array(True)), type(scale))
     assert isinstance(scale, jmp.LossScale)
+
+
+# --- jmp's README, run as written (`import jmp_lite as jmp`) -------------------------------------
+
+
+def test_jmp_readme_policies():
+  half = jnp.float16  # the README's setup; "On TPU this should be jnp.bfloat16."
+  full = jnp.float32
+  my_policy = jmp.Policy(compute_dtype=half, param_dtype=full, output_dtype=half)
+
+  def layer(params, x):
+    params, x = my_policy.cast_to_compute((params, x))
+    w, b = params
+    y = x @ w + b
+    return my_policy.cast_to_output(y)
+
+  # The README builds {"w": ...}, which `w, b = params` cannot unpack (in jmp too): a (w, b) pair.
+  params = (jnp.ones([3, 2], dtype=my_policy.param_dtype), jnp.zeros([2], my_policy.param_dtype))
+  assert params[0].dtype == jnp.float32
+  y = layer(params, jnp.ones([4, 3]))
+  assert y.dtype == half
+  np.testing.assert_array_equal(y, np.full((4, 2), 3.0))
+
+  my_policy = my_policy.with_output_dtype(full)
+  assert my_policy.output_dtype is jnp.float32 and layer(params, jnp.ones([4, 3])).dtype == full
+
+  my_policy = jmp.get_policy("params=float32,compute=float16,output=float32")
+  float16 = jmp.get_policy("float16")  # Everything in f16.
+  half_policy = jmp.get_policy("half")  # Everything in half (f16 or bf16).
+  assert (my_policy.param_dtype, my_policy.compute_dtype, my_policy.output_dtype) == (
+    jnp.float32,
+    jnp.float16,
+    jnp.float32,
+  )
+  assert {float16.param_dtype, float16.compute_dtype, float16.output_dtype} == {jnp.float16}
+  assert half_policy.compute_dtype is jmp.half_dtype()
+
+
+def _readme_train_step(loss_scale, params, x):
+  """The README's loss-scaling train_step, with SGD as apply_optimizer."""
+
+  def my_loss_fn(params, loss_scale):
+    loss = jnp.sum((x @ params["w"]) ** 2)
+    return loss_scale.scale(loss)
+
+  grads = jax.grad(my_loss_fn)(params, loss_scale)
+  grads = loss_scale.unscale(grads)
+
+  def apply_optimizer(params, grads):
+    return jax.tree.map(lambda p, g: p - 0.125 * g, params, grads)
+
+  skip_nonfinite_updates = isinstance(loss_scale, jmp.DynamicLossScale)
+  if skip_nonfinite_updates:
+    grads_finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)
+    params = jmp.select_tree(grads_finite, apply_optimizer(params, grads), params)
+  else:
+    params = apply_optimizer(params, grads)
+  return params, loss_scale
+
+
+def test_jmp_readme_loss_scaling():
+  x = jnp.ones((1, 2))
+  params = {"w": jnp.full((2,), 0.25)}
+  # d/dw (x @ w)^2 = 2 (x @ w) x = [1, 1]; one SGD step of 0.125 gives 0.125, exactly.
+  expected = np.full(2, 0.125, np.float32)
+
+  step = jax.jit(_readme_train_step)
+  new, loss_scale = step(jmp.StaticLossScale(2**15), params, x)
+  np.testing.assert_array_equal(new["w"], expected)
+  assert float(loss_scale.loss_scale) == 2.0**15
+
+  loss_scale = jmp.DynamicLossScale(jmp.half_dtype()(2**15))  # the README's line
+  assert loss_scale.loss_scale.dtype == jnp.dtype(jmp.half_dtype())
+  new, loss_scale = step(loss_scale, params, x)
+  np.testing.assert_array_equal(new["w"], expected)
+  assert float(loss_scale.loss_scale) == 2.0**15 and int(loss_scale.counter) == 1
+
+  # The DynamicLossScale docstring's construction.
+  assert jmp.DynamicLossScale(jnp.asarray(2.0**15)).loss_scale.dtype == jnp.float32
+
+  loss = jnp.float32(3.0)
+  grads = {"w": jnp.ones(2)}
+  grads_finite = jmp.all_finite(grads)
+  loss_scale = jmp.NoOpLossScale()
+  assert loss is loss_scale.scale(loss)
+  assert grads is loss_scale.unscale(grads)
+  assert loss_scale is loss_scale.adjust(grads_finite)
+  assert loss_scale.loss_scale == 1
+
+
+def test_policy_dtypes_are_jax_scalar_types_like_jmps():
+  # jmp's README and user code call, hash and compare the dtypes jmp returns.
+  policy = jmp.get_policy("params=float32,compute=float16,output=float32")
+  assert policy.compute_dtype is jnp.float16 and policy.param_dtype is jnp.float32
+  x = policy.compute_dtype(1.0)
+  assert x.dtype == np.float16 and float(x) == 1.0
+  table = {jnp.float16: "f16", jnp.bfloat16: "bf16", jnp.float32: "f32"}
+  assert table[policy.compute_dtype] == "f16" and table[policy.output_dtype] == "f32"
+  assert {np.float16: "f16"}[policy.compute_dtype] == "f16"
+  assert jnp.dtype(policy.compute_dtype) == np.dtype("float16")
+  assert policy.compute_dtype == np.dtype("float16") and np.dtype("float16") == policy.compute_dtype
+  assert jmp.half_dtype() is jnp.bfloat16  # CPU; jmp's would be jnp.float16 here
+  np.testing.assert_array_equal(jmp.half_dtype()(2**15), np.float32(2**15))
+  assert jmp.half_dtype()(2**15).dtype == jnp.bfloat16
+  fp8 = jmp.get_policy("c=float8_e4m3fn")
+  assert fp8.compute_dtype is jnp.float8_e4m3fn and fp8.output_dtype is jnp.float32
+  assert jmp.get_policy("p=bf16,c=e5m2,o=f32").compute_dtype is jnp.float8_e5m2
+
+
+def test_dynamic_loss_scale_warns_on_an_integer_scale_like_jmp():
+  for scale in (2**15, jnp.asarray(2**15, dtype=jnp.int32), np.int64(2**15)):
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale, got int") as w:
+      loss_scale = jmp.DynamicLossScale(scale)
+    assert w[0].filename == __file__  # points at the caller, not at jmp_lite
+    assert loss_scale.loss_scale.dtype == jnp.float32 and float(loss_scale.loss_scale) == 2.0**15
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # jmp's test_dynamic_loss_scale_no_warnings
+    jmp.DynamicLossScale(2.0**15)
+    jmp.DynamicLossScale(jnp.float16(2.0**15), period=10.0)
+    jmp.StaticLossScale(2**15)  # jmp's StaticLossScale does not warn either
+
+
+def test_dynamic_loss_scale_accepts_an_integral_float_period_like_jmp():
+  loss_scale = jmp.DynamicLossScale(jnp.float32(4.0), period=2000.0)
+  assert loss_scale.period == 2000 and isinstance(loss_scale.period, int)
+  loss_scale = jmp.DynamicLossScale(jnp.float32(4.0), np.zeros([], np.int32), np.float64(2.0))
+  loss_scale = loss_scale.adjust(jnp.array(True)).adjust(jnp.array(True))
+  assert float(loss_scale.loss_scale) == 8.0 and int(loss_scale.counter) == 0
+  assert loss_scale.counter.dtype == jnp.int32
+  for bad in (2000.5, float("inf"), float("nan")):
+    with pytest.raises(TypeError, match="period must be an int"):
+      jmp.DynamicLossScale(jnp.float32(4.0), period=bad)
+  with pytest.raises(ValueError, match="period must be >= 1"):
+    jmp.DynamicLossScale(jnp.float32(4.0), period=0.0)
+
+
+# --- Differential: the same calls against jmp 0.0.4 itself (skipped when jmp is not installed) ---
+
+
+@pytest.fixture
+def real_jmp():
+  return pytest.importorskip("jmp", minversion="0.0.4")
+
+
+@pytest.mark.parametrize(
+  "text",
+  [
+    "params=float32,compute=float16,output=float32",
+    "params=float32,compute=bfloat16,output=float32",
+    "p=f32,c=bf16,o=f32",
+    "c=f16",
+    "p=f16,c=bf16",
+    "o=bf16",
+    "c=bfloat16,o=full",
+    "float16",
+    "bf16",
+    "full",
+    "f64",
+  ],
+)
+def test_get_policy_returns_jmps_dtypes(real_jmp, text):
+  ours, theirs = jmp.get_policy(text), real_jmp.get_policy(text)
+  for field in ("param_dtype", "compute_dtype", "output_dtype"):
+    assert getattr(ours, field) is getattr(theirs, field), field
+  assert repr(ours) == repr(theirs)
+
+
+def test_policy_fields_compare_like_jmps(real_jmp):
+  given = (np.float32, np.float16, jnp.bfloat16)
+  ours, theirs = jmp.Policy(*given), real_jmp.Policy(*given)
+  assert theirs.compute_dtype is np.float16  # jmp stores what it is given ...
+  assert ours.compute_dtype is jnp.float16  # ... jmp_lite the JAX scalar type, which equals it
+  for a, b in zip(dataclasses.astuple(ours), dataclasses.astuple(theirs), strict=True):
+    assert a == b and b == a and hash(a) == hash(b)
+  assert type(jmp.half_dtype()) is type(real_jmp.half_dtype())  # both jnp scalar types
+  tree = {"np": np.ones(2, np.float64), "jnp": jnp.ones(2), "i": jnp.arange(2), "s": 1.5}
+  for cast in ("cast_to_param", "cast_to_compute", "cast_to_output"):
+    a, b = getattr(ours, cast)(tree), getattr(theirs, cast)(tree)
+    kinds = lambda tree: jax.tree.map(lambda x: (type(x), getattr(x, "dtype", None)), tree)
+    assert kinds(a) == kinds(b)
+
+
+def test_dynamic_loss_scale_follows_jmps_trajectory(real_jmp):
+  flags = [True, True, True, False, True, False, False, False, True, True, True, True, True]
+  args = (jnp.float32(8.0), np.zeros([], np.int32), 3, 2, np.float32(2.0))
+  ours, theirs = jmp.DynamicLossScale(*args), real_jmp.DynamicLossScale(*args)
+  for finite in flags:
+    ours, theirs = ours.adjust(jnp.array(finite)), theirs.adjust(jnp.array(finite))
+    assert float(ours.loss_scale) == float(theirs.loss_scale)
+    assert int(ours.counter) == int(theirs.counter)
+  # It went through growth (8 -> 16), back-off to the floor (2) and growth again (4).
+  assert (float(ours.loss_scale), int(ours.counter)) == (4.0, 2)
+
+
+def test_integer_scale_warning_matches_jmps(real_jmp):
+  for lib in (jmp, real_jmp):
+    with pytest.warns(UserWarning, match="Expected floating type for loss_scale, got int32"):
+      lib.DynamicLossScale(jnp.asarray(1, dtype=jnp.int32))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      lib.DynamicLossScale(2.0**15, period=2000.0)
+
+
+def test_loss_scales_and_helpers_agree_with_jmp(real_jmp):
+  grads = {"a": jnp.array([2.0**12, 3.0]), "b": jnp.float32(0.5)}
+  for make in (lambda m: m.StaticLossScale(jnp.float32(2.0**10)), lambda m: m.NoOpLossScale()):
+    ours, theirs = make(jmp), make(real_jmp)
+    for method in ("scale", "unscale"):
+      a, b = getattr(ours, method)(grads), getattr(theirs, method)(grads)
+      jax.tree.map(np.testing.assert_array_equal, a, b)
+      assert jax.tree.map(lambda x: x.dtype, a) == jax.tree.map(lambda x: x.dtype, b)
+  trees = [None, {}, grads, {"a": jnp.array([1.0, jnp.inf])}, {"n": jnp.array(jnp.nan)}]
+  for tree in trees:
+    assert bool(jmp.all_finite(tree)) == bool(real_jmp.all_finite(tree))
+  a, b = {"a": jnp.ones(2), "b": jnp.zeros([])}, {"a": jnp.zeros(2), "b": jnp.ones([])}
+  for pred in (True, False):
+    ours = jmp.select_tree(jnp.bool_(pred), a, b)
+    jax.tree.map(np.testing.assert_array_equal, ours, real_jmp.select_tree(jnp.bool_(pred), a, b))
+  # The documented difference: jmp asserts, jmp_lite raises an error naming the problem.
+  with pytest.raises(AssertionError, match="expected boolean scalar"):
+    real_jmp.select_tree(jnp.ones([1], bool), None, None)
+  with pytest.raises(ValueError, match="pred must be a boolean scalar, got shape"):
+    jmp.select_tree(jnp.ones([1], bool), None, None)

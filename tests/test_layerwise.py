@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import pickle
 
@@ -53,7 +54,7 @@ def assert_bitwise_equal(a, b):
 
 
 def _grads_with(scale, fun, params, x, y):
-  return jax.jit(lambda p: scale.scaled_value_and_grad(fun)(p, x, y))(params)
+  return jax.jit(lambda p: scale.value_and_grad(fun)(p, x, y))(params)
 
 
 def test_boundary_is_an_exact_identity_forward():
@@ -65,7 +66,7 @@ def test_boundary_is_an_exact_identity_forward():
     out = jl.stage_boundary(x * p, 0)
     return jnp.sum(out.astype(jnp.float32)), out
 
-  (_, out), _ = scale.scaled_value_and_grad(fun, has_aux=True)(jnp.float16(1), x)
+  (_, out), _ = scale.value_and_grad(fun, has_aux=True)(jnp.float16(1), x)
   assert_bitwise_equal(out, x)
 
 
@@ -85,9 +86,7 @@ def test_each_stage_is_unscaled_by_its_own_scale():
   params = _params(std=0.3)
   x, y = _batch()
   scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4])
-  scale = layerwise.loss_scale._replace(
-    scale, scales=jnp.asarray([2.0**20, 2.0**17, 2.0**14, 2.0**11, 2.0**8], jnp.float32)
-  )
+  scale = scale.with_scales(jnp.asarray([2.0**20, 2.0**17, 2.0**14, 2.0**11, 2.0**8], jnp.float32))
   _, grads = _grads_with(scale, deep_tanh, params, x, y)
   unscaled = scale.unscale(grads.grads)
   # Layer k's raw scaled gradient carries S_k: its magnitude tracks the scale.
@@ -129,7 +128,7 @@ def test_boundary_statistics_match_numpy():
     h = jl.stage_boundary(p["a"] * jnp.ones(8, jnp.float32), 0)
     return jnp.sum(h * c) * p["b"]
 
-  _, grads = scale.scaled_value_and_grad(fun)({"a": 1.0, "b": 1.0}, jnp.asarray(c))
+  _, grads = scale.value_and_grad(fun)({"a": 1.0, "b": 1.0}, jnp.asarray(c))
   observed = c * 2.0**10
   nonzero = np.abs(observed[observed != 0])
   expected_hist = np.zeros(layerwise.HIST_BINS)
@@ -153,7 +152,8 @@ def test_scale_rule_and_predicted_underflow():
   scale = jl.LayerwiseLossScale({"w": 0}, initial_scale=1.0, margin_bits=1, histograms=True)
   tx = jl.loss_scaling(optax.sgd(0.0), scale)
   state = tx.init({"w": jnp.zeros(4)})
-  grads = {"w": jnp.asarray(c)}  # already "scaled" by S = 1
+  _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["w"] * c), state)({"w": jnp.zeros(4)})
+  np.testing.assert_array_equal(grads.grads["w"], c)  # scaled by S = 1
   _, state = tx.update(grads, state, {"w": jnp.zeros(4)})
   # amax 3: the largest 2^e with 3 * 2^e <= 65504 / 2 is 2^13.
   assert float(state.loss_scale.scales[0]) == 2.0**13
@@ -367,10 +367,8 @@ def test_scanned_stack_with_traced_boundary_index():
   stages = {"stack": jl.StackedStages(range(depth)), "head": depth}
   scale = jl.LayerwiseLossScale(stages)
   assert scale.num_stages == depth + 1
-  scale = layerwise.loss_scale._replace(
-    scale, scales=jnp.asarray(2.0 ** np.asarray([18, 15, 12, 9, 6]), jnp.float32)
-  )
-  _, grads = scale.scaled_value_and_grad(model)(params, x, y)
+  scale = scale.with_scales(jnp.asarray(2.0 ** np.asarray([18, 15, 12, 9, 6]), jnp.float32))
+  _, grads = scale.value_and_grad(model)(params, x, y)
   assert np.all(np.asarray(grads.boundary_stats.amax) > 0)
   assert not np.any(np.asarray(grads.boundary_stats.histogram))  # histograms are opt-in
   unscaled = scale.unscale(grads.grads)
@@ -417,7 +415,10 @@ def test_state_round_trips(via, tmp_path):
   tx = jl.loss_scaling(optax.sgd(1.0), scale)
   params = {"a": jnp.ones(2), "b": jnp.ones((2, 3))}
   state = tx.init(params)
-  _, state = tx.update({"a": jnp.ones(2), "b": jnp.ones((2, 3)) * 8}, state, params)
+  _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["a"]) + 8 * jnp.sum(p["b"]), state)(
+    params
+  )
+  _, state = tx.update(grads, state, params)
   if via == "pickle":
     restored = pickle.loads(pickle.dumps(state))
   elif via == "tree_map":
@@ -443,7 +444,8 @@ def test_adjust_without_statistics():
   np.testing.assert_array_equal(scale.adjust(jnp.array(False)).scales, [4.0, 4.0])
   np.testing.assert_array_equal(scale.adjust(jnp.array(True)).scales, [8.0, 8.0])
   assert float(scale.loss_scale) == 8.0
-  assert float(scale.scale(jnp.float32(2.0))) == 16.0
+  with pytest.raises(TypeError, match="each stage its own scale"):
+    scale.scale(jnp.float32(2.0))  # see test_scale_refuses_a_plain_grad...
 
 
 @pytest.mark.parametrize(
@@ -473,9 +475,9 @@ def test_bad_usage_errors():
   with pytest.raises(ValueError, match="structure of the gradients"):
     scale.unscale({"a": jnp.ones(2)})
   with pytest.raises(ValueError, match="out of range"):
-    scale.scaled_value_and_grad(lambda p: jnp.sum(jl.stage_boundary(p[0], 1)))([jnp.ones(2)] * 2)
+    scale.value_and_grad(lambda p: jnp.sum(jl.stage_boundary(p[0], 1)))([jnp.ones(2)] * 2)
   with pytest.raises(TypeError, match="argnums"):
-    scale.scaled_value_and_grad(lambda p: p, argnums=(0, 1))
+    scale.value_and_grad(lambda p: p, argnums=(0, 1))
   stacked = jl.LayerwiseLossScale({"s": jl.StackedStages([0, 1])})
   with pytest.raises(ValueError, match="leading axis"):
     stacked.unscale({"s": jnp.ones((3, 2))})
@@ -489,9 +491,7 @@ def test_check_stages_accepts_correct_models():
   jl.check_stages(residual_blocks, scale, params, x, y)
   # Unequal scales (ratios other than 1), passed through an optimizer state.
   state = jl.loss_scaling(optax.sgd(0.1), scale).init(params)
-  uneven = layerwise.loss_scale._replace(
-    scale, scales=jnp.asarray(2.0 ** np.asarray([14, 10, 12, 9, 8]), jnp.float32)
-  )
+  uneven = scale.with_scales(jnp.asarray(2.0 ** np.asarray([14, 10, 12, 9, 8]), jnp.float32))
   jl.check_stages(deep_tanh, state._replace(loss_scale=uneven), params, x, y)
 
 
@@ -561,3 +561,52 @@ def test_check_stages_on_a_scanned_stack():
     )
   with pytest.raises(TypeError, match="LayerwiseLossScale"):
     jl.check_stages(model, jl.DynamicLossScale(2.0**15), params, x, y)
+
+
+def test_scale_refuses_a_plain_grad_and_unscale_takes_layerwise_grads():
+  scale = jl.LayerwiseLossScale({"a": 0, "b": 1}).with_scales([2.0**10, 2.0**4])
+  with pytest.raises(TypeError, match=r"jl\.scaled_value_and_grad"):
+    jax.grad(lambda p: scale.scale(p["a"] * p["b"]))({"a": 1.0, "b": 2.0})
+  fun = lambda p: jnp.sum(p["b"] * jl.stage_boundary(p["a"] * 3.0, 0))
+  params = {"a": jnp.ones(2), "b": jnp.full(2, 2.0)}
+  _, grads = scale.value_and_grad(fun)(params)
+  true = jax.grad(fun)(params)
+  for unscaled in (scale.unscale(grads), scale.unscale(grads.grads)):
+    np.testing.assert_array_equal(unscaled["a"], true["a"])  # exact: powers of two
+    np.testing.assert_array_equal(unscaled["b"], true["b"])
+  # Gradients taken without the stage boundaries carry no per-stage scales: refused.
+  tx = jl.loss_scaling(optax.sgd(1.0), scale)
+  with pytest.raises(TypeError, match="LayerwiseGrads"):
+    tx.update(grads.grads, tx.init(params), params)
+
+
+def test_configuration_is_a_dataclass_with_the_users_param_stages():
+  stages = {"enc": {"w": 0}, "dec": {"w": 1, "stack": jl.StackedStages([1, 2])}}
+  scale = jl.LayerwiseLossScale(stages, initial_scale=[2.0**12, 2.0**8, 2.0**4])
+  assert scale.param_stages == stages
+  assert "param_stages={'dec': {'stack': (1, 2), 'w': 1}, 'enc': {'w': 0}}" in repr(scale)
+  assert "PyTreeDef" not in repr(scale)
+  np.testing.assert_array_equal(scale.scales, [2.0**12, 2.0**8, 2.0**4])
+  replaced = dataclasses.replace(scale, update_period=4)
+  assert replaced.update_period == 4 and replaced.param_stages == stages
+  np.testing.assert_array_equal(replaced.scales, scale.scales)
+  # Through jit and tree_map, unchanged.
+  back = jax.jit(lambda s: s)(scale)
+  assert back.param_stages == stages and back.initial_scale == scale.initial_scale
+  with pytest.raises(ValueError, match="initial_scale"):
+    jl.LayerwiseLossScale(stages, initial_scale=[1.0, 2.0])
+  with pytest.raises(ValueError, match="one value per stage"):
+    scale.with_scales([1.0, 2.0])
+  with pytest.raises(ValueError, match="within"):
+    scale.with_scales([1.0, 2.0, 0.5])
+
+
+def test_fp8_refuses_a_layerwise_loss_scale():
+  scale = jl.LayerwiseLossScale([0, 1])
+  state = jl.fp8.init_dot_state()
+  with pytest.raises(TypeError, match="each stage its own"):
+    jl.fp8.dot_general(
+      jnp.ones((2, 4)), jnp.ones((4, 3)), (((1,), (0,)), ((), ())), state, loss_scale=scale
+    )
+  with pytest.raises(TypeError, match="each stage its own"):
+    jl.gradient_statistics({"w": jnp.ones(2)}, loss_scale=scale)

@@ -474,3 +474,82 @@ def test_dynamic_scale_adjust_under_shard_map_keeps_devices_in_step():
     )
   )
   np.testing.assert_array_equal(f(grads), np.full(8, 2.0**9))
+
+
+# The loss-scale contract --------------------------------------------------------------------
+
+KINDS = [
+  jl.NoOpLossScale(),
+  jl.StaticLossScale(jnp.float32(2.0**4)),
+  jl.DynamicLossScale(jnp.float32(2.0**4)),
+  jl.LayerwiseLossScale({"w": 0, "b": 0}, initial_scale=2.0**4),
+]
+
+
+@pytest.mark.parametrize("scale", KINDS, ids=lambda s: type(s).__name__)
+def test_every_kind_implements_the_contract(scale):
+  assert isinstance(scale, jl.LossScale)
+  params = {"w": jnp.asarray([1.0, -2.0]), "b": jnp.asarray(0.5)}
+  loss_fn = lambda p, x: jnp.sum(p["w"] * x) + p["b"] ** 2
+  x = jnp.asarray([3.0, 0.25])
+  value, scaled = scale.value_and_grad(loss_fn)(params, x)
+  assert float(value) == float(loss_fn(params, x))  # unscaled
+  grads, finite, next_scale = scale.unscale_and_adjust(scaled, params)
+  true = jax.grad(loss_fn)(params, x)
+  for name in params:  # powers of two: exact
+    np.testing.assert_array_equal(grads[name], true[name])
+  np.testing.assert_array_equal(scale.unscale(scaled)["w"], true["w"])
+  assert bool(finite) and type(next_scale) is type(scale)
+  assert not bool(scale.at_minimum)
+  assert float(scale.loss_scale) == (1.0 if isinstance(scale, jl.NoOpLossScale) else 16.0)
+  assert scale.uniform == (not isinstance(scale, jl.LayerwiseLossScale))
+
+
+def test_dynamic_scale_at_its_floor_is_at_minimum():
+  assert bool(jl.DynamicLossScale(jnp.float32(1.0)).at_minimum)
+  assert not bool(jl.DynamicLossScale(jnp.float32(2.0)).at_minimum)
+
+
+class HalvingScale:
+  """A loss scale a user writes: it delegates to a static scale and halves on overflow."""
+
+  uniform = True
+
+  def __init__(self, value):
+    self.inner = jl.StaticLossScale(value)
+
+  loss_scale = property(lambda self: self.inner.loss_scale)
+  at_minimum = property(lambda self: jnp.asarray(False))
+  scale = lambda self, tree: self.inner.scale(tree)
+  unscale = lambda self, tree: self.inner.unscale(tree)
+  adjust = lambda self, finite: HalvingScale(
+    jnp.where(finite, self.loss_scale, self.loss_scale / 2)
+  )
+  value_and_grad = lambda self, fun, **kwargs: self.inner.value_and_grad(fun, **kwargs)
+
+  def unscale_and_adjust(self, scaled_grads, params=None, *, axis_name=None):
+    grads, finite, _ = self.inner.unscale_and_adjust(scaled_grads, params, axis_name=axis_name)
+    return grads, finite, self.adjust(finite)
+
+
+jax.tree_util.register_pytree_node(
+  HalvingScale, lambda s: ((s.loss_scale,), None), lambda _, c: HalvingScale(c[0])
+)
+
+
+def test_a_kind_written_by_a_user_plugs_into_loss_scaling():
+  import optax
+
+  scale = HalvingScale(jnp.float32(8.0))
+  assert isinstance(scale, jl.LossScale)
+  tx = jl.loss_scaling(optax.sgd(1.0), scale)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["w"]) * 3, state)(params)
+  np.testing.assert_array_equal(grads["w"], [24.0, 24.0])
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  np.testing.assert_array_equal(updates["w"], [-3.0, -3.0])
+  _, state = tx.update({"w": jnp.asarray([jnp.inf, 0.0])}, state, params)
+  assert float(jl.get_loss_scale(state).loss_scale) == 4.0
+  with pytest.raises(TypeError, match=r"jmp_lite\.LossScale"):
+    jl.loss_scaling(optax.sgd(1.0), object())

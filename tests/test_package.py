@@ -4,6 +4,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import jmp_lite as jl
 
@@ -52,3 +53,22 @@ def test_quickstart_tour_runs():
     check=True,
   ).stdout
   assert "skipped (overflow)" in out and "applied" in out and "compiled 1 time(s)" in out
+
+
+def test_star_import_binds_no_modules():
+  # `from jmp_lite import *` once rebound a user's `flax` to jmp_lite.flax.
+  namespace: dict = {}
+  exec("from jmp_lite import *", namespace)
+  modules = sorted(k for k, v in namespace.items() if isinstance(v, types.ModuleType))
+  assert modules == []
+  assert set(namespace) - {"__builtins__"} == set(jl.__all__)
+  assert jl.flax.__name__ == "jmp_lite.flax" and jl.fp8.__name__ == "jmp_lite.fp8"
+
+
+def test_star_import_keeps_the_users_flax():
+  import flax
+
+  user_module = types.ModuleType("user_module")
+  exec("import flax\nfrom jmp_lite import *", user_module.__dict__)
+  assert user_module.flax is flax and user_module.flax.linen.Dense is flax.linen.Dense
+  assert user_module.get_policy is jl.get_policy

@@ -110,7 +110,7 @@ def test_missing_matplotlib_gives_a_clear_error(monkeypatch):
 
 def test_core_never_imports_matplotlib():
   code = (
-    "import sys, jmp_lite, jmp_lite.audit, jmp_lite.diagnostics, jmp_lite.plotting; "
+    "import sys, jmp_lite, jmp_lite._audit, jmp_lite.diagnostics, jmp_lite.plotting; "
     "assert 'matplotlib' not in sys.modules, 'imported'"
   )
   subprocess.run(

@@ -92,6 +92,51 @@ def test_policy_accepts_dtype_objects_and_names():
   assert a == b and hash(a) == hash(b)
   assert a.param_dtype == jnp.float32 and a.compute_dtype == np.float16
   assert str(a) == "p=f32,c=f16,o=bf16"
+  # Stored as jmp stores what get_policy parses: the JAX scalar types.
+  assert (a.param_dtype, a.compute_dtype, a.output_dtype) == (jnp.float32, jnp.float16, BF16)
+  assert a.param_dtype is jnp.float32 and a.compute_dtype is jnp.float16
+  assert a.output_dtype is jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+  "text, expected",
+  [
+    ("p=f32,c=f16,o=bf16", (jnp.float32, jnp.float16, jnp.bfloat16)),
+    ("mixed_bfloat16", (jnp.float32, jnp.bfloat16, jnp.bfloat16)),
+    ("half", (HALF,) * 3),
+    ("full", (jnp.float32,) * 3),
+    ("c=float8_e4m3fn", (jnp.float32, jnp.float8_e4m3fn, jnp.float32)),
+    ("p=bf16,c=e5m2", (jnp.bfloat16, jnp.float8_e5m2, jnp.bfloat16)),
+  ],
+)
+def test_policy_dtypes_are_jax_scalar_types(text, expected):
+  policy = jl.get_policy(text)
+  got = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+  assert all(x is y for x, y in zip(got, expected, strict=True)), got
+  x = policy.compute_dtype(1.5)  # callable, as jmp's dtypes are
+  assert x.dtype == np.dtype(expected[1]) and float(x) == 1.5
+  table = {jnp.float32: 32, jnp.float16: 16, jnp.bfloat16: 16, jnp.float64: 64}
+  table.update({jnp.float8_e4m3fn: 8, jnp.float8_e5m2: 8})
+  assert table[policy.compute_dtype] == jnp.dtype(policy.compute_dtype).itemsize * 8
+  assert policy.compute_dtype == np.dtype(expected[1]) == policy.compute_dtype
+  assert policy.with_output_dtype("f16").output_dtype is jnp.float16
+
+
+def test_modules_that_name_policy_dtypes_accept_scalar_types():
+  # Error and warning messages elsewhere print a policy's dtypes by name.
+  with pytest.raises(ValueError, match="compute dtype float8_e4m3fn"):
+    jl.Fp8Policy(jl.get_policy("c=e4m3"))
+
+  import flax.linen as nn
+
+  from jmp_lite import flax as jl_flax
+
+  model = nn.Dense(2, dtype=jnp.float32)  # an explicit dtype= the policy warns about
+  x = jnp.ones((1, 3))
+  variables = model.init(jax.random.key(0), x)
+  with pytest.warns(jl_flax.ExplicitDtypeWarning, match="dtype=float32, policy: bfloat16"):
+    out = jl_flax.policy_apply(model, jl.get_policy("p=f32,c=bf16,o=f32"))(variables, x)
+  assert out.dtype == F32
 
 
 def test_policy_rejects_bad_dtypes():

@@ -4,7 +4,8 @@
   ``init`` under a policy, via :func:`flax.linen.intercept_methods`.
 * :func:`policy_view`: a low-precision view of an NNX model for the forward pass.
 * :class:`ModulePolicy`, :class:`ModulePolicies`, :data:`DEFAULT_OVERRIDES`:
-  per-module-class overrides (normalization and embeddings keep fp32).
+  per-module-class overrides (normalization and embeddings keep fp32);
+  :class:`ExplicitDtypeWarning` names modules built with their own ``dtype=``.
 * :func:`dot_general`, :func:`conv_general_dilated`, :func:`einsum`: 16-bit
   matmuls and convolutions that accumulate in fp32, forward and backward.
 * :func:`dot_product_attention`, :func:`softmax`: attention with an fp32
@@ -26,6 +27,7 @@ from jmp_lite.flax.module_policy import (
   FLAX_HOOKS,
   FP32,
   FP32_RECOMPUTED,
+  ExplicitDtypeWarning,
   ModulePolicies,
   ModulePolicy,
 )
@@ -38,6 +40,7 @@ __all__ = (
   "FLAX_HOOKS",
   "FP32",
   "FP32_RECOMPUTED",
+  "ExplicitDtypeWarning",
   "LayerwiseStages",
   "ModulePolicies",
   "ModulePolicy",

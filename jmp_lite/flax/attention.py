@@ -15,6 +15,25 @@ attention probabilities, the largest activation of a transformer, cost as
 much memory as in an fp32 model (JAX's ``softmax`` keeps its fp32 output as
 the residual, and ``p`` is saved again in 16 bits for the ``p @ v`` matmul).
 
+A mask ``m`` (``where=``) is applied inside the softmax, as Flax's attention
+does: :math:`p = \\mathrm{softmax}(\\mathrm{where}(m, z, \\mathrm{finfo.min}))`.
+Masked-out entries get probability 0; a row with every entry masked is uniform
+(``1/n``, Flax's ``dot_product_attention`` convention; :func:`jax.nn.softmax`
+with ``where=`` returns 0 there instead) and, since it does not depend on the
+logits, its gradient is 0, as in both. The backward formula is the derivative
+with respect to the *masked* logits, so it is multiplied by ``m``: in a row
+with an unmasked entry that changes nothing (masked ``p`` are 0), and a fully
+masked row needs a flag saying so. Only that flag, the mask reduced over
+``axis`` (one boolean per row), is saved, never the mask itself.
+
+>>> m = jnp.array([[True, False, True], [False, False, False]])
+>>> softmax(jnp.zeros((2, 3)), where=m)
+Array([[0.5       , 0.        , 0.5       ],
+       [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
+>>> jax.grad(lambda z: softmax(z, where=m) @ jnp.arange(3.0) @ jnp.ones(2))(jnp.zeros((2, 3)))
+Array([[-0.5,  0. ,  0.5],
+       [ 0. ,  0. ,  0. ]], dtype=float32)
+
 :func:`dot_product_attention` is a drop-in ``attention_fn`` for Flax's linen
 ``MultiHeadDotProductAttention`` and NNX ``MultiHeadAttention``: it accepts
 the keyword arguments either passes, computes both matmuls with
@@ -40,17 +59,38 @@ def softmax(logits: jax.Array, axis: int = -1, where: jax.Array | None = None) -
   """Softmax computed in fp32, returned (and saved for backward) in ``logits.dtype``.
 
   Args:
-    logits: the scores; for fp32 (or wider) logits this is :func:`jax.nn.softmax`.
+    logits: the scores; for fp32 (or wider) logits and no fully masked row this
+      is :func:`jax.nn.softmax`.
     axis: the axis to normalize over.
-    where: an optional boolean mask broadcastable to ``logits``; masked-out
-      entries get probability 0 (a fully masked row is uniform, as with Flax's
-      ``finfo.min`` masking). Applying it here rather than with ``jnp.where``
-      on the logits keeps neither the mask nor the masked logits as residuals.
+    where: an optional boolean mask broadcastable to ``logits`` (without
+      changing its shape); masked-out entries get probability 0. A fully
+      masked row is uniform, as with Flax's ``finfo.min`` masking (not 0 as
+      with :func:`jax.nn.softmax`), and its gradient is 0, as with both.
+      Applying the mask here rather than with ``jnp.where`` on the logits
+      keeps neither the mask nor the masked logits as residuals (only one
+      boolean per row, whether it has an unmasked entry).
+
+  Returns:
+    The probabilities, of ``logits``' shape and dtype.
+
+  Raises:
+    ValueError: if ``where`` does not broadcast to ``logits``' shape.
 
   Reverse-mode differentiable; not forward-mode (a :func:`jax.custom_vjp`).
   """
   if where is not None:
     where = jnp.asarray(where, jnp.bool_)
+    shape = np.shape(logits)
+    try:
+      broadcast = jnp.broadcast_shapes(where.shape, shape)
+    except ValueError:
+      broadcast = None
+    if broadcast != shape:
+      raise ValueError(
+        f"where must broadcast to the logits' shape {shape}, got shape {where.shape}."
+      )
+    # Same rank as the logits, so that ``axis`` names the same dimension of both.
+    where = where.reshape((1,) * (len(shape) - where.ndim) + where.shape)
   return _softmax(logits, where, axis)
 
 
@@ -65,14 +105,23 @@ def _softmax(logits, where, axis):
 
 def _softmax_fwd(logits, where, axis):
   probs = _softmax(logits, where, axis)
-  return probs, probs
+  # Whether each row has an unmasked entry: of the mask's (unbroadcast) size
+  # divided by the row length, so the mask itself is not kept.
+  live = None if where is None else jnp.any(where, axis=axis, keepdims=True)
+  return probs, (probs, live)
 
 
-def _softmax_bwd(axis, probs, cotangent):
-  # dz = p * (dp - <dp, p>); masked entries have p = 0 and get no gradient.
+def _softmax_bwd(axis, residuals, cotangent):
+  probs, live = residuals
+  # dz = m * p * (dp - <dp, p>): the softmax's derivative with respect to the
+  # masked logits, times that of where(m, z, finfo.min). Masked entries of a
+  # row with an unmasked one have p = 0 already; a fully masked row has
+  # uniform p that does not depend on z, and only ``live`` says so.
   compute = jnp.promote_types(probs.dtype, jnp.float32)
   p, g = probs.astype(compute), cotangent.astype(compute)
   grad = p * (g - jnp.sum(g * p, axis=axis, keepdims=True))
+  if live is not None:
+    grad = jnp.where(live, grad, 0)
   return grad.astype(probs.dtype), None
 
 

@@ -41,6 +41,12 @@ the observations into the state in place.
 The loss scale the gradients carry reaches the fp8 ops through
 :func:`loss_scale_scope` (``linen_fp8`` and ``nnx_value_and_grad`` take a
 ``loss_scale`` argument that sets it).
+
+Before the first training step, set the scales from a first batch (the
+initial scales of 1 flush small gradients and saturate large activations; see
+:func:`jmp_lite.fp8.calibrate`): linen's ``"fp8_state"`` is a pytree of
+:class:`~jmp_lite.fp8.Fp8DotState`, so ``fp8.calibrate`` applies to it as is;
+for NNX, ``nnx_calibrate(loss_fn)(model, *batch)``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from flax import nnx
 
 from jmp_lite import fp8
 from jmp_lite import policy as policy_lib
+from jmp_lite.loss_scale import LossScale, NoOpLossScale, StaticLossScale
 
 STATE_COLLECTION = "fp8_state"
 AMAX_COLLECTION = "fp8_amax"
@@ -454,6 +461,46 @@ def nnx_update(model: nnx.Module, amax: nnx.State | None = None, *, axis_name: A
       node.commit(axis_name=axis_name)
 
 
+def nnx_calibrate(
+  fun: Callable[..., Any], *, has_aux: bool = False, axis_name: Any = None
+) -> Callable[..., Any]:
+  """:func:`jmp_lite.fp8.calibrate` for an NNX model prepared with :func:`nnx_fp8`.
+
+  The returned function runs ``fun(model, *args, **kwargs)`` and its gradient
+  with respect to the fp8 probes once under :func:`jmp_lite.fp8.current_scaling`,
+  and folds the observations into the model's fp8 state in place (parameters
+  untouched). Call it on a fresh model with the first batch, before the first
+  training step; the step itself is unchanged.
+
+  Args:
+    fun: the training loss, ``fun(model, *args, **kwargs)``, returning a scalar
+      (or ``(loss, aux)`` with ``has_aux``).
+    has_aux: as in ``nnx.value_and_grad``.
+    axis_name: under ``shard_map``/``pmap``, max-reduce the observations over
+      this axis first.
+
+  Returns:
+    A function of ``(model, *args, **kwargs)`` returning what ``fun`` returned.
+  """
+  if not callable(fun):
+    raise TypeError(f"fun must be a function of the model, got {fun!r}.")
+  grad_fn = nnx.value_and_grad(fun, argnums=nnx.DiffState(0, Fp8Amax), has_aux=has_aux)
+
+  def calibrate(model, *args, **kwargs):
+    with fp8.current_scaling() as scope:
+      value, amax = grad_fn(model, *args, **kwargs)
+    if scope.probed_ops == 0:
+      raise ValueError(
+        f"fun traced no fp8 matmul of {type(model).__name__}, so nothing was calibrated: "
+        "prepare the model with nnx_fp8 first, and trace its calls inside fun (not an "
+        "nnx.jit/jax.jit function compiled before)."
+      )
+    nnx_update(model, amax, axis_name=axis_name)
+    return value
+
+  return calibrate
+
+
 def _split_state(state: nnx.State, *filters: Any) -> tuple[nnx.State, ...]:
   if hasattr(nnx, "split_state"):  # flax >= 0.11; State.filter is deprecated there
     return nnx.split_state(state, *filters)
@@ -489,24 +536,25 @@ def nnx_value_and_grad(
     axis_name: under ``shard_map``/``pmap``, the axis to max-reduce the fp8
       observations over (reduce the gradients yourself, as usual).
   """
-  scale = fp8._loss_scale_value(loss_scale) if loss_scale is not None else None
-
-  def scaled(model, *args, **kwargs):
-    out = fun(model, *args, **kwargs)
-    value, aux = out if has_aux else (out, None)
-    loss = value if scale is None else value * scale.astype(jnp.result_type(value))
-    return loss, (value, aux)
-
-  grad_fn = nnx.value_and_grad(
-    scaled, argnums=nnx.DiffState(0, nnx.Any(wrt, Fp8Amax)), has_aux=True
+  if loss_scale is None:
+    scaling: LossScale = NoOpLossScale()
+  elif isinstance(loss_scale, LossScale):
+    scaling = loss_scale
+  else:
+    scaling = StaticLossScale(loss_scale)
+  grad_fn = scaling.value_and_grad(
+    fun,
+    has_aux=has_aux,
+    argnums=nnx.DiffState(0, nnx.Any(wrt, Fp8Amax)),
+    value_and_grad=nnx.value_and_grad,
   )
 
   def value_and_grad(model, *args, **kwargs):
     with loss_scale_scope(loss_scale):
-      (_, (value, aux)), grads = grad_fn(model, *args, **kwargs)
+      value, grads = grad_fn(model, *args, **kwargs)
     amax, param_grads = _split_state(grads, Fp8Amax, ...)
     nnx_update(model, amax, axis_name=axis_name)
-    return ((value, aux) if has_aux else value), param_grads
+    return value, param_grads
 
   return value_and_grad
 
@@ -523,6 +571,7 @@ __all__ = (
   "linen_fp8",
   "linen_interceptor",
   "loss_scale_scope",
+  "nnx_calibrate",
   "nnx_fp8",
   "nnx_update",
   "nnx_value_and_grad",

@@ -43,8 +43,10 @@ from jmp_lite.flax.module_policy import (
   ModulePolicy,
   Resolved,
   cast_floating,
+  explicit_dtype,
   nearest,
   recomputed,
+  warn_explicit_dtypes,
 )
 from jmp_lite.policy import Policy
 
@@ -70,20 +72,48 @@ def _attributes_set(module: nn.Module, updates: Mapping[str, Any]):
       object.__setattr__(module, name, value)
 
 
+def _creates_variables(module: nn.Module) -> bool:
+  """Whether ``module`` may create parameters or record intermediates in this call.
+
+  Such a module must not run under :func:`jax.checkpoint`: the variables it
+  stores would be tracers of the checkpoint's trace, leaking out of it (under
+  ``init``, as values of the returned parameters).
+  """
+  return (
+    module.is_initializing()
+    or module.is_mutable_collection(_PARAMS)
+    or module.is_mutable_collection("intermediates")
+  )
+
+
 class _Interceptor:
   """The method interceptor of one ``apply`` call (its state dies with it)."""
 
-  def __init__(self, policies: ModulePolicies, owners: dict[tuple, np.dtype] | None):
+  def __init__(
+    self,
+    policies: ModulePolicies,
+    owners: dict[tuple, np.dtype] | None,
+    found: dict[str, tuple[str, np.dtype, np.dtype]] | None = None,
+  ):
     self.policies = policies
     # While discovering: the compute dtype each module (scope path) reads its params in.
     self.owners = owners
+    # Modules whose own dtype= differs from the policy's: path -> (class, dtype, policy dtype).
+    self.found = found
     self.stack: list[Resolved] = []  # the enclosing module calls, outermost first
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
-    resolved = self.policies.resolve(type(module), self.stack[-1] if self.stack else None)
+    resolved = self.policies.resolve(
+      type(module), self.stack[-1] if self.stack else None, explicit_dtype(module)
+    )
     if self.owners is not None:
       self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
+    if self.found is not None and resolved.explicit_dtype is not None:
+      self.found.setdefault(
+        "/".join(module.path),
+        (type(module).__name__, resolved.explicit_dtype, resolved.policy_dtype),
+      )
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
     is_root = not self.stack
@@ -95,7 +125,7 @@ class _Interceptor:
     self.stack.append(resolved)
     try:
       with _attributes_set(module, self.policies.attribute_updates(module, resolved)):
-        if resolved.recompute and self.owners is None:
+        if resolved.recompute and self.owners is None and not _creates_variables(module):
           # The cast happens inside, so the saved inputs are the narrow ones.
           out = recomputed(call, args, kwargs)
         else:
@@ -148,6 +178,7 @@ def policy_apply(
   use_default_overrides: bool = True,
   fp32_accumulation: bool = True,
   fp32_softmax: bool = True,
+  explicit_dtypes: str = "warn",
 ) -> Callable[..., Any]:
   """Returns ``module.apply`` running under ``policy``.
 
@@ -177,11 +208,12 @@ def policy_apply(
 
   Args:
     module: an unbound linen module, written with default dtypes (a module
-      built with ``dtype=`` keeps computing in that dtype where it casts
-      explicitly).
+      built with another ``dtype=`` than the policy gives it keeps that dtype
+      and is named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning`, once
+      per trace; see ``explicit_dtypes``).
     policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides, use_default_overrides, fp32_accumulation, fp32_softmax: see
-      :class:`~jmp_lite.flax.ModulePolicies`.
+    overrides, use_default_overrides, fp32_accumulation, fp32_softmax,
+      explicit_dtypes: see :class:`~jmp_lite.flax.ModulePolicies`.
 
   Example::
 
@@ -209,6 +241,7 @@ def policy_apply(
     use_default_overrides=use_default_overrides,
     fp32_accumulation=fp32_accumulation,
     fp32_softmax=fp32_softmax,
+    explicit_dtypes=explicit_dtypes,
   )
   return _make_apply(module, policies)
 
@@ -223,10 +256,13 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
         f"{type(variables).__name__}."
       )
     run = lambda v: module.apply(v, *args, **kwargs)
+    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
     params = variables.get(_PARAMS)
     if params is None:  # nothing to cast (e.g. a parameter-free model)
-      with nn.intercept_methods(_Interceptor(policies, None)):
-        return run(variables)
+      with nn.intercept_methods(_Interceptor(policies, None, found)):
+        out = run(variables)
+      _warn(policies, found, "policy_apply")
+      return out
 
     # Which module owns each parameter: trace abstractly, recording the scope
     # path and effective compute dtype of every intercepted module call.
@@ -241,8 +277,9 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
     if isinstance(variables, FrozenDict):
       cast = FrozenDict(cast)
-    with nn.intercept_methods(_Interceptor(policies, None)):
+    with nn.intercept_methods(_Interceptor(policies, None, found)):
       out = run(cast)
+    _warn(policies, found, "policy_apply")
 
     mutable = kwargs.get("mutable", False)
     if mutable is not False and isinstance(out, tuple) and len(out) == 2:
@@ -266,6 +303,13 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
   return apply_fn
 
 
+def _warn(policies: ModulePolicies, found: dict, caller: str) -> None:
+  # Once per call of the returned function, i.e. once per trace under jit;
+  # stacklevel 3 points at the user's line calling it.
+  if policies.explicit_dtypes == "warn":
+    warn_explicit_dtypes(found, caller, stacklevel=3)
+
+
 def policy_init(
   module: nn.Module,
   policy: Policy | str,
@@ -274,15 +318,18 @@ def policy_init(
   use_default_overrides: bool = True,
   fp32_accumulation: bool = True,
   fp32_softmax: bool = True,
+  explicit_dtypes: str = "warn",
 ) -> Callable[..., Any]:
   """Returns ``module.init`` running under ``policy``, with params in the param dtype.
 
   Parameters are created by their initializers in the module's own
   ``param_dtype`` (fp32 for Flax's layers) and then cast to the policy's
   param dtype (a no-op for fp32 master weights). The forward pass ``init``
-  runs casts inputs and outputs as :func:`policy_apply` does. Takes
-  ``module.init``'s arguments (``rngs, *args, method=None, mutable=...,
-  **kwargs``).
+  runs casts inputs and outputs as :func:`policy_apply` does, and names
+  modules with an explicit ``dtype=`` the same way. Takes ``module.init``'s
+  arguments (``rngs, *args, method=None, mutable=..., **kwargs``); the
+  parameters are those ``module.init`` creates from the same ``rngs``, with
+  lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) too.
   """
   _check_module(module, "policy_init")
   policies = ModulePolicies(
@@ -291,11 +338,14 @@ def policy_init(
     use_default_overrides=use_default_overrides,
     fp32_accumulation=fp32_accumulation,
     fp32_softmax=fp32_softmax,
+    explicit_dtypes=explicit_dtypes,
   )
 
   def init_fn(rngs: Any, *args: Any, **kwargs: Any) -> Any:
-    with nn.intercept_methods(_Interceptor(policies, None)):
+    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
+    with nn.intercept_methods(_Interceptor(policies, None, found)):
       variables = module.init(rngs, *args, **kwargs)
+    _warn(policies, found, "policy_init")
     if _PARAMS not in variables:
       return variables
     params = _map_params(

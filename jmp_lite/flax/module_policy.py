@@ -26,12 +26,21 @@ of Flax's defaults, only where the layer still uses the default:
 fp32-accumulating ``dot_general``/``conv_general_dilated``/``einsum_op``
 (:mod:`jmp_lite.flax.accumulate`) and the fp32-softmax ``attention_fn``
 (:mod:`jmp_lite.flax.attention`); see :data:`FLAX_HOOKS`.
+
+A module built with an explicit ``dtype=`` other than the compute dtype the
+policy gives it (Flax's examples thread ``dtype=jnp.float32`` through every
+layer) computes in that dtype whatever the policy says. By default it keeps
+its dtype, as an island (inputs and parameters in that dtype, and the modules
+inside it inherit it), and an :class:`ExplicitDtypeWarning` names every such
+module; ``explicit_dtypes="policy"`` lets the policy set their ``dtype``
+instead, ``explicit_dtypes="keep"`` keeps them without the warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -47,6 +56,17 @@ from jmp_lite.flax import accumulate, attention
 from jmp_lite.policy import Policy, get_policy
 
 _F32 = np.dtype(jnp.float32)
+
+EXPLICIT_DTYPES = ("warn", "keep", "policy")
+
+
+class ExplicitDtypeWarning(UserWarning):
+  """Modules built with an explicit ``dtype=`` compute in it, not in the policy's dtype.
+
+  Issued once per trace by :func:`~jmp_lite.flax.policy_apply`,
+  :func:`~jmp_lite.flax.policy_init` and :func:`~jmp_lite.flax.policy_view`
+  (with ``explicit_dtypes="warn"``, the default), naming every such module.
+  """
 
 
 def _check_dtype(value: Any, name: str) -> np.dtype | None:
@@ -247,6 +267,10 @@ class Resolved(NamedTuple):
   attributes: Mapping[str, Any]  # the user's attributes (explicit overrides only)
   hooks: tuple[Hook, ...]  # Flax kernels to swap in (16-bit compute only)
   recompute: bool  # run under jax.checkpoint (an island that asked for it)
+  # The compute dtype the policy alone gives the module (explicit dtypes aside).
+  policy_dtype: np.dtype
+  # The module's own dtype= where it differs from policy_dtype (None otherwise).
+  explicit_dtype: np.dtype | None = None
 
 
 class ModulePolicies:
@@ -272,12 +296,21 @@ class ModulePolicies:
       fp32-accumulating kernels when they compute in 16 bits.
     fp32_softmax: give Flax's attention layers :func:`dot_product_attention`
       (fp32 softmax, fp32 accumulation) when they compute in 16 bits.
+    explicit_dtypes: what happens to a module whose own ``dtype`` attribute
+      (``nn.Dense(..., dtype=jnp.float32)``) differs from the compute dtype the
+      policy gives it. ``"warn"`` (default): it keeps its dtype, as an island
+      (inputs and its parameters in that dtype; modules inside it without an
+      override inherit it), and an :class:`ExplicitDtypeWarning` names it.
+      ``"keep"``: the same, silently (the dtypes are deliberate). ``"policy"``:
+      its ``dtype`` is set to the policy's compute dtype while it runs. A
+      ``ModulePolicy`` whose ``attributes`` set ``dtype`` decides for its class.
 
   Raises:
     TypeError: for an override key that is not a Flax module class, or a value
       that is not a ModulePolicy, dtype or None.
-    ValueError: for an fp8 compute dtype (use jmp_lite's fp8 support) or an
-      unknown dtype name.
+    ValueError: for an fp8 compute dtype (use jmp_lite's fp8 support), an
+      unknown dtype name or an ``explicit_dtypes`` not in ``"warn"``, ``"keep"``,
+      ``"policy"``.
   """
 
   def __init__(
@@ -288,8 +321,15 @@ class ModulePolicies:
     use_default_overrides: bool = True,
     fp32_accumulation: bool = True,
     fp32_softmax: bool = True,
+    explicit_dtypes: str = "warn",
   ):
     self.policy = get_policy(policy)
+    if explicit_dtypes not in EXPLICIT_DTYPES:
+      raise ValueError(
+        f"explicit_dtypes must be one of {', '.join(map(repr, EXPLICIT_DTYPES))}; got "
+        f"{explicit_dtypes!r}."
+      )
+    self.explicit_dtypes = explicit_dtypes
     if dtypes.is_float8(self.policy.compute_dtype):
       raise ValueError(
         f"Policy {self.policy} computes in fp8, which needs per-tensor scaling that casting "
@@ -324,7 +364,7 @@ class ModulePolicies:
     self.overrides: Mapping[type, ModulePolicy | None] = types.MappingProxyType(table)
     self.fp32_accumulation = bool(fp32_accumulation)
     self.fp32_softmax = bool(fp32_softmax)
-    self._cache: dict[tuple[type, np.dtype], Resolved] = {}
+    self._cache: dict[tuple, Resolved] = {}
 
   def _key(self):
     return (
@@ -337,6 +377,7 @@ class ModulePolicies:
       ),
       self.fp32_accumulation,
       self.fp32_softmax,
+      self.explicit_dtypes,
     )
 
   def __eq__(self, other):
@@ -359,26 +400,43 @@ class ModulePolicies:
         return self.overrides[base]
     return None
 
-  def resolve(self, cls: type, parent: Resolved | None = None) -> Resolved:
+  def resolve(
+    self, cls: type, parent: Resolved | None = None, dtype: np.dtype | None = None
+  ) -> Resolved:
     """The precision of a module of class ``cls`` called inside ``parent``.
 
     ``parent`` is the :class:`Resolved` of the enclosing module, ``None`` at
-    the top (then the policy's compute dtype is the context).
+    the top (then the policy's compute dtype is the context). ``dtype`` is the
+    module's own ``dtype`` attribute (:func:`explicit_dtype`), if any.
     """
     context = parent.compute_dtype if parent is not None else self.policy.compute_dtype
-    key = (cls, context)
+    policy_context = parent.policy_dtype if parent is not None else self.policy.compute_dtype
+    key = (cls, context, policy_context, dtype)
     if key not in self._cache:
       override = self.module_policy(cls)
-      attributes: Mapping[str, Any]
-      if override is None:  # inherit the context
-        compute, output, root_output = context, context, self.policy.output_dtype
-        attributes, recompute = types.MappingProxyType({}), False
+      attributes: Mapping[str, Any] = (
+        override.attributes if override else types.MappingProxyType({})
+      )
+      # What the policy alone asks for; the warning compares the module's dtype with it.
+      if override is None:
+        policy_dtype = policy_context
       else:
-        compute = override.compute_dtype or self.policy.compute_dtype
-        output = override.output_dtype or context
-        root_output = override.output_dtype or self.policy.output_dtype
-        attributes = override.attributes
-        recompute = override.recompute and compute != context
+        policy_dtype = override.compute_dtype or self.policy.compute_dtype
+      explicit = None
+      if dtype is not None and dtype != policy_dtype and "dtype" not in attributes:
+        explicit = dtype
+      output = override.output_dtype if override else None
+      if explicit is not None and self.explicit_dtypes != "policy":
+        # The module computes in its own dtype whatever is cast: make it an island of
+        # that dtype, so that its parameters are read unrounded and its inputs arrive
+        # in the dtype it computes in.
+        compute = explicit
+      elif override is None:  # inherit the context
+        compute = context
+      else:
+        compute = policy_dtype
+      root_output = output or self.policy.output_dtype
+      recompute = bool(override and override.recompute) and compute != context
       hooks: tuple[Hook, ...] = ()
       if accumulate.is_16bit_float(compute):
         enabled = {"accumulation": self.fp32_accumulation, "softmax": self.fp32_softmax}
@@ -387,7 +445,16 @@ class ModulePolicies:
           for h in FLAX_HOOKS
           if issubclass(cls, h.cls) and enabled[h.kind] and h.attribute not in attributes
         )
-      self._cache[key] = Resolved(compute, output, root_output, attributes, hooks, recompute)
+      self._cache[key] = Resolved(
+        compute,
+        output or context,
+        root_output,
+        attributes,
+        hooks,
+        recompute,
+        policy_dtype,
+        explicit,
+      )
     return self._cache[key]
 
   def attribute_updates(self, module: Any, resolved: Resolved | None = None) -> dict[str, Any]:
@@ -395,8 +462,10 @@ class ModulePolicies:
 
     ``resolved`` is the module's :class:`Resolved` (default: at the top).
     """
-    resolved = resolved or self.resolve(type(module))
+    resolved = resolved or self.resolve(type(module), None, explicit_dtype(module))
     updates = {h.attribute: h.replacement for h in resolved.hooks if h.is_default(module)}
+    if resolved.explicit_dtype is not None and self.explicit_dtypes == "policy":
+      updates["dtype"] = resolved.compute_dtype
     for name, value in resolved.attributes.items():
       if not hasattr(module, name):
         raise AttributeError(
@@ -405,6 +474,50 @@ class ModulePolicies:
         )
       updates[name] = value
     return updates
+
+
+def explicit_dtype(module: Any) -> np.dtype | None:
+  """The floating dtype a module was built with (its ``dtype`` attribute), or None.
+
+  Read from the instance's ``__dict__``: a linen module's ``__getattr__``
+  would run its ``setup`` for a missing name.
+  """
+  value = getattr(module, "__dict__", {}).get("dtype")
+  if value is None:
+    return None
+  try:
+    dtype = np.dtype(value)
+  except (TypeError, ValueError):  # some other meaning of "dtype"
+    return None
+  return dtype if jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def warn_explicit_dtypes(
+  found: Mapping[str, tuple[str, np.dtype, np.dtype]], caller: str, stacklevel: int
+) -> None:
+  """Issues one :class:`ExplicitDtypeWarning` naming every module in ``found``.
+
+  Args:
+    found: ``{path: (class name, the module's dtype, the policy's dtype)}``.
+    caller: the public function the user called, for the message.
+    stacklevel: as for :func:`warnings.warn`, counted from the caller of this function.
+  """
+  if not found:
+    return
+  names = "; ".join(
+    f"{path or '(the model)'} ({cls}: dtype={dtype.name}, policy: {np.dtype(policy).name})"
+    for path, (cls, dtype, policy) in found.items()
+  )
+  warnings.warn(
+    f"{caller}: {len(found)} module(s) were built with an explicit dtype= other than the "
+    f"compute dtype the policy gives them, and compute in their own dtype (so do the "
+    f"modules inside them without a dtype of their own): {names}. To train in the policy's "
+    "dtype, drop dtype= from these modules (Flax's default dtype=None follows the policy) "
+    "or pass explicit_dtypes='policy'; if the dtypes are deliberate, pass "
+    "explicit_dtypes='keep' to silence this warning.",
+    ExplicitDtypeWarning,
+    stacklevel=stacklevel + 1,
+  )
 
 
 def cast_floating(tree: Any, dtype: np.dtype) -> Any:

@@ -51,8 +51,10 @@ from jmp_lite.flax.module_policy import (
   ModulePolicy,
   Resolved,
   cast_floating,
+  explicit_dtype,
   nearest,
   recomputed,
+  warn_explicit_dtypes,
 )
 from jmp_lite.policy import Policy
 
@@ -113,7 +115,8 @@ def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple,
   resolved: dict[tuple, Resolved] = {}
   for path in sorted(modules, key=len):
     parent = nearest(path[:-1], resolved) if path else None
-    resolved[path] = policies.resolve(type(modules[path]), parent)
+    module = modules[path]
+    resolved[path] = policies.resolve(type(module), parent, explicit_dtype(module))
   return resolved
 
 
@@ -125,6 +128,7 @@ def policy_view(
   use_default_overrides: bool = True,
   fp32_accumulation: bool = True,
   fp32_softmax: bool = True,
+  explicit_dtypes: str = "warn",
 ) -> M:
   """Returns a view of ``model`` that runs under ``policy`` (``model`` is untouched).
 
@@ -136,14 +140,18 @@ def policy_view(
   you differentiate, so that gradients flow to ``model``'s parameters.
 
   Works under ``nnx.jit``/``jax.jit``, ``nnx.grad``/``jax.grad``, ``vmap`` and
-  ``scan``. Forward-mode differentiation needs ``fp32_accumulation=False,
-  fp32_softmax=False``.
+  ``scan``, and with lifted transforms (``nnx.scan``, ``nnx.remat``,
+  ``nnx.vmap``) inside the model. Forward-mode differentiation needs
+  ``fp32_accumulation=False, fp32_softmax=False``.
 
   Args:
-    model: an NNX module written with default dtypes.
+    model: an NNX module written with default dtypes (a module built with
+      another ``dtype=`` than the policy gives it keeps that dtype and is
+      named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning` when the view
+      is built; see ``explicit_dtypes``).
     policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides, use_default_overrides, fp32_accumulation, fp32_softmax: see
-      :class:`~jmp_lite.flax.ModulePolicies`.
+    overrides, use_default_overrides, fp32_accumulation, fp32_softmax,
+      explicit_dtypes: see :class:`~jmp_lite.flax.ModulePolicies`.
 
   Returns:
     A :class:`PolicyModule` wrapping the low-precision copy of ``model``;
@@ -172,12 +180,23 @@ def policy_view(
     use_default_overrides=use_default_overrides,
     fp32_accumulation=fp32_accumulation,
     fp32_softmax=fp32_softmax,
+    explicit_dtypes=explicit_dtypes,
   )
-  return _view(model, policies)
+  view, found = _view(model, policies)
+  if policies.explicit_dtypes == "warn":
+    # Once per view, i.e. once per trace of the step that builds it.
+    warn_explicit_dtypes(found, "policy_view", stacklevel=2)
+  return view
 
 
-def _view(model: nnx.Module, policies: ModulePolicies) -> Any:
+def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
+  """The view, and the modules whose own dtype differs from the policy's, by path."""
   resolved = _resolve_modules(model, policies)
+  found = {
+    "/".join(map(str, path)): (type(module).__name__, r.explicit_dtype, r.policy_dtype)
+    for path, module in nnx.iter_modules(model)
+    if (r := resolved.get(tuple(path))) is not None and r.explicit_dtype is not None
+  }
 
   def cast_param(path: tuple, param: Any) -> Any:
     value = param.get_value()
@@ -203,7 +222,7 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> Any:
     return node
 
   try:
-    return nnx.recursive_map(wrap, view, graph=True)
+    return nnx.recursive_map(wrap, view, graph=True), found
   except ValueError as e:
     if "does not support mutation" not in str(e):
       raise

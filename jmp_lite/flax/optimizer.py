@@ -25,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
 import optax
 from flax import nnx
 
-from jmp_lite.loss_scale import LossScale, NoOpLossScale
+from jmp_lite.loss_scale import LossScale, NoOpLossScale, select_tree
 from jmp_lite.transform import LossScalingState, get_loss_scaling_state, loss_scaling
 
 M = TypeVar("M", bound=nnx.Module)
@@ -74,10 +75,9 @@ class Optimizer(nnx.Optimizer[M]):
   @property
   def loss_scale(self) -> LossScale:
     """The current loss scale (``NoOpLossScale()`` without loss scaling)."""
-    try:
-      return self.loss_scaling_state.loss_scale
-    except ValueError:
+    if not self._has_loss_scaling:
       return NoOpLossScale()
+    return self.loss_scaling_state.loss_scale
 
   def value_and_grad(
     self,
@@ -89,24 +89,76 @@ class Optimizer(nnx.Optimizer[M]):
     """:func:`flax.nnx.value_and_grad` of ``fun`` times the current loss scale.
 
     Differentiates argument ``argnums`` (a model) with respect to this
-    optimizer's ``wrt`` Variables. Returns a function with ``fun``'s signature
-    giving ``(value, grads)``: ``value`` unscaled (``(loss, aux)`` with
-    ``has_aux``), ``grads`` the gradients of the scaled loss, which
-    :meth:`update` expects.
+    optimizer's ``wrt`` Variables, through the loss scale's
+    :meth:`~jmp_lite.LossScale.value_and_grad` (so layer-wise scales activate
+    their stage boundaries). Returns a function with ``fun``'s signature giving
+    ``(value, grads)``: ``value`` unscaled (``(loss, aux)`` with ``has_aux``),
+    ``grads`` the gradients of the scaled loss, which :meth:`update` expects.
+
+    A step whose gradients are not finite will be skipped by :meth:`update`;
+    the forward pass's writes to the model's other Variables (``BatchStat``
+    running statistics, counters; not ``RngState``) are then undone here, so a
+    skipped step leaves the whole model as it was.
     """
     if isinstance(argnums, bool) or not isinstance(argnums, int):
       raise TypeError(f"argnums must be an int (the position of the model), got {argnums!r}.")
     scale = self.loss_scale
-
-    def scaled(*args, **kwargs):
-      out = fun(*args, **kwargs)
-      value, aux = out if has_aux else (out, None)
-      return scale.scale(value), (value, aux)
-
-    grad_fn = nnx.value_and_grad(scaled, argnums=nnx.DiffState(argnums, self.wrt), has_aux=True)
+    grad_fn = scale.value_and_grad(
+      fun,
+      has_aux=has_aux,
+      argnums=nnx.DiffState(argnums, self.wrt),
+      value_and_grad=nnx.value_and_grad,
+    )
+    if not self._has_loss_scaling:
+      return grad_fn  # no step is ever skipped
+    written = nnx.All(nnx.Not(self.wrt), nnx.Not(nnx.RngState))
 
     def value_and_scaled_grad(*args, **kwargs):
-      (_, (value, aux)), grads = grad_fn(*args, **kwargs)
-      return ((value, aux) if has_aux else value), grads
+      model = args[argnums]
+      before = nnx.as_pure(nnx.state(model, written))
+      value, grads = grad_fn(*args, **kwargs)
+      if not jax.tree.leaves(before):
+        return value, grads
+      # The same computation as update()'s tx.update, so the two agree exactly
+      # (and XLA computes it once when both run in one jit).
+      params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+      _, finite, _ = scale.unscale_and_adjust(self._pure_grads(grads), params)
+      nnx.update(model, select_tree(finite, nnx.as_pure(nnx.state(model, written)), before))
+      return value, grads
 
     return value_and_scaled_grad
+
+  def update(self, model: M, grads: Any, /, **kwargs: Any) -> optax.Updates:
+    """Applies ``grads`` from :meth:`value_and_grad` (unscale, skip on overflow, adjust).
+
+    As :meth:`flax.nnx.Optimizer.update`, and also takes the gradients of a
+    layer-wise loss scale (a :class:`~jmp_lite.LayerwiseGrads`).
+    """
+    param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+    updates, new_opt_state = self.tx.update(
+      self._pure_grads(grads), nnx.as_pure(self.opt_state), param_arrays, **nnx.as_pure(kwargs)
+    )
+    nnx.update(model, optax.apply_updates(param_arrays, updates))
+    nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+    self.step[...] += 1
+    return updates
+
+  @property
+  def _has_loss_scaling(self) -> bool:
+    try:
+      get_loss_scaling_state(nnx.as_pure(self.opt_state))
+    except ValueError:
+      return False
+    return True
+
+  def _pure_grads(self, grads: Any) -> Any:
+    # The wrt gradients as arrays, wherever the loss scale's container holds them.
+    return jax.tree.map(
+      lambda g: nnx.as_pure(nnx.state(g, self.wrt, graph=self.graph)) if _is_state(g) else g,
+      grads,
+      is_leaf=_is_state,
+    )
+
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, nnx.State)

@@ -30,7 +30,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from flax.training import train_state
@@ -67,7 +69,8 @@ class TrainState(train_state.TrainState):
       ``apply_fn`` was passed already wrapped, or no policy is used).
   """
 
-  policy: Policy | None = struct.field(pytree_node=False, default=None)
+  # Keyword-only, so a subclass may add fields without defaults (``batch_stats: Any``).
+  policy: Policy | None = struct.field(pytree_node=False, default=None, kw_only=True)
 
   @classmethod
   def create(
@@ -137,6 +140,28 @@ class TrainState(train_state.TrainState):
     if not _has_loss_scaling(self.opt_state):
       return NoOpLossScale()
     return get_loss_scale(self.opt_state)
+
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+    """Flax's ``apply_gradients``; a skipped step also keeps ``kwargs``' old values.
+
+    With loss scaling, a step whose gradients are not finite changes neither
+    ``params`` nor ``opt_state``'s inner state; the collections passed as
+    ``kwargs`` (``batch_stats=`` computed in that step's forward pass) are then
+    kept as they were too, so no NaN reaches the running statistics.
+    """
+    new = super().apply_gradients(grads=grads, **kwargs)
+    if not kwargs or not _has_loss_scaling(self.opt_state):
+      return new
+    finite = get_loss_scaling_state(new.opt_state).last_finite
+    kept = {
+      name: jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o) if isinstance(n, jax.Array | np.ndarray) else n,
+        getattr(new, name),
+        getattr(self, name),
+      )
+      for name in kwargs
+    }
+    return new.replace(**kept)
 
   def value_and_grad(
     self,

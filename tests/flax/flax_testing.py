@@ -202,3 +202,20 @@ def rel_error(a, b) -> float:
   b = [np.asarray(x, np.float64) for x in jax.tree.leaves(b)]
   num = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
   return num / max(float(np.max(np.abs(y))) for y in b)
+
+
+def leaf_rel_errors(ours, ref) -> dict[str, float]:
+  """``||ours - ref|| / ||ref||`` (Frobenius norms) of each leaf, keyed by its path.
+
+  A leaf whose reference is exactly zero gets 0 if ``ours`` is zero too, else inf: a
+  relative error cannot excuse a gradient the reference does not have.
+  """
+  flat_ref, treedef = jax.tree_util.tree_flatten_with_path(ref)
+  flat_ours = treedef.flatten_up_to(ours)
+  errors = {}
+  for (path, r), o in zip(flat_ref, flat_ours, strict=True):
+    r, o = np.asarray(r, np.float64), np.asarray(o, np.float64)
+    assert o.shape == r.shape, (jax.tree_util.keystr(path), o.shape, r.shape)
+    num, den = float(np.linalg.norm(o - r)), float(np.linalg.norm(r))
+    errors[jax.tree_util.keystr(path)] = num / den if den else (0.0 if num == 0 else np.inf)
+  return errors

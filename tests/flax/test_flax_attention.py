@@ -17,11 +17,15 @@ def f32(x):
   return np.asarray(x).astype(np.float32)
 
 
-def _residual_dtypes(fn, *args):
-  """dtypes of the arrays jax.vjp(fn) keeps for the backward pass."""
+def _residuals(fn, *args):
+  """(dtype, shape) of the arrays jax.vjp(fn) keeps for the backward pass."""
   closed, (_, vjp_fn) = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
   n = len(jax.tree.leaves(vjp_fn))
-  return [np.dtype(v.aval.dtype) for v in closed.jaxpr.outvars[-n:]]
+  return [(np.dtype(v.aval.dtype), v.aval.shape) for v in closed.jaxpr.outvars[-n:]]
+
+
+def _residual_dtypes(fn, *args):
+  return [dtype for dtype, _ in _residuals(fn, *args)]
 
 
 def test_softmax_is_fp32_inside_and_keeps_16bit_residuals():
@@ -48,8 +52,19 @@ def test_softmax_is_fp32_inside_and_keeps_16bit_residuals():
   jaxpr = jax.make_jaxpr(jax.grad(lambda x: jlf.softmax(x, -1, mask).astype(F32).sum()))(logits)
   assert primitive_dtypes(jaxpr, "exp") == {F32}
   assert primitive_dtypes(jaxpr, "reduce_sum") == {F32}
-  # Only the 16-bit probabilities are kept: not the fp32 ones, the logits or the mask.
-  assert _residual_dtypes(lambda x: jlf.softmax(x, -1, mask), logits) == [BF16]
+  # Only the 16-bit probabilities are kept, and one boolean per row (has it an unmasked
+  # entry?): not the fp32 probabilities, the logits or the mask.
+  assert _residuals(lambda x: jlf.softmax(x, -1, mask), logits) == [
+    (BF16, (3, 7)),
+    (np.dtype(bool), (3, 1)),
+  ]
+  assert _residuals(lambda x: jlf.softmax(x), logits) == [(BF16, (3, 7))]
+  # A broadcast mask is reduced as given, never broadcast to the logits' shape.
+  batch = _random((2, 4, 3, 7), 2, BF16)
+  assert _residuals(lambda x: jlf.softmax(x, -1, mask[:1]), batch) == [
+    (BF16, (2, 4, 3, 7)),
+    (np.dtype(bool), (1, 1, 1, 1)),
+  ]
   assert F32 in _residual_dtypes(lambda x: jax.nn.softmax(x.astype(F32)).astype(BF16), logits)
 
 

@@ -291,14 +291,25 @@ class NnxLayers(nnx.Module):
     return {name: getattr(self, name)(x) for name in ("dense", "general", "einsum", "own")}
 
 
+@functools.cache
+def nnx_abstract():
+  """The fp8 NnxLayers model's shapes (nothing is computed: eager initializers compile op by
+  op, seconds on a busy CPU)."""
+  return nnx.eval_shape(lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), CONFIG))
+
+
 def nnx_like_linen(variables):
-  """An fp8 NNX model with the linen model's parameters."""
-  model = flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), CONFIG)
-  for name, layer_params in variables["params"].items():
-    layer = getattr(model, name)
-    layer.kernel.set_value(layer_params["kernel"])
-    layer.bias.set_value(layer_params["bias"])
-  return model
+  """An fp8 NNX model with the linen model's parameters and a fresh fp8 state."""
+  graphdef, state = nnx.split(nnx_abstract())
+
+  def fill(path, leaf):
+    layer, *_, name = (k.key for k in path)
+    if name in ("kernel", "bias"):
+      return variables["params"][layer][name]
+    return jnp.asarray((np.ones if name.endswith("_scale") else np.zeros)(leaf.shape, leaf.dtype))
+
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state)))
+  return nnx.merge(graphdef, state)
 
 
 def nnx_loss(model, x):
@@ -376,6 +387,95 @@ def test_nnx_fp8_leaves_other_models_and_optimizers_alone():
   assert len(jax.tree.leaves(nnx.state(model, nnx.Param))) == 2
   assert len(jax.tree.leaves(nnx.state(model, flax_fp8.Fp8State))) == 6
   assert len(jax.tree.leaves(nnx.state(model, flax_fp8.Fp8Amax))) == 3
+
+
+# The first step: calibration -------------------------------------------------------------
+
+# Both ways the initial scales of 1 fail at once: inputs up to ~2^13 saturate E4M3 (448), and
+# a loss times 2^-20 gives output gradients under E5M2's smallest subnormal, 2^-16.
+BIG_INPUTS, TINY_LOSS = 2.0**10, 2.0**-20
+
+
+def first_step_data():
+  x = inputs() * BIG_INPUTS
+  shapes = jax.eval_shape(Layers().apply, {"params": layers_variables()["params"]}, x)
+  rng = np.random.default_rng(5)
+  return x, {name: jnp.asarray(rng.standard_normal(s.shape), s.dtype) for name, s in shapes.items()}
+
+
+def first_step_loss(out, targets):
+  return TINY_LOSS * sum(jnp.sum(out[name] * targets[name]) for name in out)
+
+
+@jax.jit
+def reference_grads(params, x, targets):
+  """float32 gradients of the plain model (no fp8)."""
+  return jax.grad(lambda p: first_step_loss(Layers().apply({"params": p}, x), targets))(params)
+
+
+def assert_rounding_error_only(grads, reference):
+  """Each gradient is nonzero wherever the reference is, and close to it in norm."""
+  for (path, want), got in zip(
+    jax.tree_util.tree_leaves_with_path(reference), jax.tree.leaves(grads), strict=True
+  ):
+    name = jax.tree_util.keystr(path)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all((got != 0) | (want == 0)), f"{name}: {np.mean(got == 0):.0%} flushed to zero"
+    # Rounding x to E4M3 and g to E5M2 moves each product x*g by at most (1 + 2^-4)(1 + 2^-3)
+    # - 1 = 0.195 of itself; independent roundings partly cancel in the sums, so 0.15 in norm
+    # is loose (test_fp8.py's single matmul measures about 0.05). A flush would be 1.0.
+    assert np.linalg.norm(got - want) <= 0.15 * np.linalg.norm(want), name
+
+
+def test_linen_calibrate_then_first_step_has_only_rounding_error():
+  """fp8.calibrate applies to linen's "fp8_state" as is; step 0 then has rounding error only
+  (with the initial scales of 1 every kernel gradient here is zero)."""
+  x, targets = first_step_data()
+  variables = layers_variables()
+  params = variables["params"]
+
+  def loss(params, state, amax):
+    with flax_fp8.linen_fp8(CONFIG):
+      collections = {"params": params, flax_fp8.STATE_COLLECTION: state}
+      if amax is not None:
+        collections[flax_fp8.AMAX_COLLECTION] = amax
+      return first_step_loss(Layers().apply(collections, x), targets)
+
+  @jax.jit
+  def calibrate_then_grads(params, state):
+    state = fp8.calibrate(lambda amax: loss(params, state, amax), state, CONFIG)
+    return state, jax.grad(loss)(params, state, None)
+
+  state, grads = calibrate_then_grads(params, variables[flax_fp8.STATE_COLLECTION])
+  assert_rounding_error_only(grads, reference_grads(params, x, targets))
+  dense = state["dense"][flax_fp8.VARIABLE_NAME]
+  assert float(dense.input.scale) == np.float32(np.abs(x).max()) / np.float32(448)
+
+
+def test_nnx_calibrate_then_first_step_has_only_rounding_error():
+  """nnx_calibrate sets the fp8 state in place; step 0 then has rounding error only."""
+  x, targets = first_step_data()
+  variables = layers_variables()
+  model = nnx_like_linen(variables)
+  loss = lambda model: first_step_loss(model(x), targets)
+
+  @nnx.jit
+  def calibrate_then_grads(model):
+    flax_fp8.nnx_calibrate(loss)(model)
+    return nnx.grad(loss)(model)
+
+  grads = calibrate_then_grads(model)
+  reference = reference_grads(variables["params"], x, targets)
+  assert_rounding_error_only(nnx.to_pure_dict(grads), reference)
+  # Each scale is its tensor's amax / 448 (the einsum's input and kernel); probes are reset.
+  op = model.einsum.einsum_op
+  assert float(op.input_scale.get_value()) == np.float32(np.abs(x).max()) / np.float32(448)
+  kernel = np.abs(np.asarray(variables["params"]["einsum"]["kernel"])).max()
+  assert float(op.kernel_scale.get_value()) == np.float32(kernel) / np.float32(448)
+  assert all(float(a) == 0 for a in op.amax)
+  no_fp8 = flax_fp8.nnx_calibrate(lambda model: jnp.sum(model.own(x)))  # its own matmul
+  with pytest.raises(ValueError, match="traced no fp8 matmul of NnxLayers"):
+    nnx.jit(no_fp8)(model)
 
 
 # Agreement with flax.linen.fp8_ops -------------------------------------------------------

@@ -116,12 +116,10 @@ def test_stage_gradients_match_fp32():
     model, variables, toks, stage_modules=LinenBlock, overrides={"pos": 0}
   )
   scale = stages.loss_scale()
-  scale = jl.layerwise.loss_scale._replace(
-    scale, scales=jnp.asarray([2.0**16, 2.0**13, 2.0**10, 2.0**7], jnp.float32)
-  )
+  scale = scale.with_scales(jnp.asarray([2.0**16, 2.0**13, 2.0**10, 2.0**7], jnp.float32))
   apply_fn = stages.wrap(jlf.policy_apply(model, F16_POLICY))
   loss = lambda p: lm_loss(apply_fn({"params": p}, toks), toks)
-  _, grads = jit(scale.scaled_value_and_grad(loss))(variables["params"])
+  _, grads = jit(scale.value_and_grad(loss))(variables["params"])
   assert grads.boundary_stats.amax.shape == (3,)
   unscaled = scale.unscale(grads.grads)
   # The reference: the same fp16 forward pass with one scale that suits every stage.

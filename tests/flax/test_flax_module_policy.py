@@ -7,6 +7,7 @@ from jax import lax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
+from jmp_lite.flax.module_policy import explicit_dtype
 
 POLICY = "p=f32,c=bf16,o=f32"
 
@@ -159,3 +160,55 @@ def test_module_policies_are_values():
   assert hash(a) == hash(jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}))
   assert a != jlf.ModulePolicies(POLICY)
   assert "flax.linen.linear.Dense" in repr(a)
+
+
+def test_explicit_module_dtypes_are_kept_or_replaced():
+  policies = jlf.ModulePolicies(POLICY)  # explicit_dtypes="warn"
+  dense = policies.resolve(nn.Dense, None, F32)
+  # Kept: an fp32 island (params read unrounded, fp32 in), bf16 handed on, no 16-bit kernels.
+  assert (dense.compute_dtype, dense.output_dtype, dense.root_output_dtype) == (F32, BF16, F32)
+  assert (dense.policy_dtype, dense.explicit_dtype, dense.hooks) == (BF16, F32, ())
+  # Inside it, a module without a dtype inherits fp32; one with fp32 is named too.
+  inner = policies.resolve(nn.Dense, dense)
+  assert (inner.compute_dtype, inner.policy_dtype, inner.explicit_dtype) == (F32, BF16, None)
+  assert policies.resolve(nn.Dense, dense, F32).explicit_dtype == F32
+  # No conflict where the module's dtype is the policy's (the LayerNorm override is fp32).
+  assert policies.resolve(nn.LayerNorm, None, F32).explicit_dtype is None
+  assert policies.resolve(nn.Dense, None, BF16).explicit_dtype is None
+  assert jlf.ModulePolicies("f32").resolve(nn.Dense, None, F32).explicit_dtype is None
+  # A bf16 LayerNorm conflicts with its fp32 override: kept in bf16 (nothing to recompute).
+  norm = policies.resolve(nn.LayerNorm, None, BF16)
+  assert (norm.compute_dtype, norm.explicit_dtype, norm.recompute) == (BF16, BF16, False)
+  assert "dtype" not in policies.attribute_updates(nn.Dense(3, dtype=jnp.float32))
+  # "policy": the policy's compute dtype, set as the module's dtype, with the kernels.
+  wins = jlf.ModulePolicies(POLICY, explicit_dtypes="policy")
+  assert wins.resolve(nn.Dense, None, F32)[:2] == (BF16, BF16)
+  assert wins.attribute_updates(nn.Dense(3, dtype=jnp.float32)) == {
+    "dot_general": jlf.dot_general,
+    "dtype": BF16,
+  }
+  linear = nnx.Linear(2, 3, dtype="bfloat16", rngs=nnx.Rngs(0))
+  assert jlf.ModulePolicies("f32", explicit_dtypes="policy").attribute_updates(linear) == {
+    "dtype": F32
+  }
+  # A ModulePolicy that sets dtype decides for its class: no conflict to report.
+  user = jlf.ModulePolicies(POLICY, {nn.Dense: jlf.ModulePolicy(attributes={"dtype": F32})})
+  assert user.resolve(nn.Dense, None, F32).explicit_dtype is None
+  assert jlf.ModulePolicies(POLICY) != jlf.ModulePolicies(POLICY, explicit_dtypes="keep")
+  with pytest.raises(ValueError, match="explicit_dtypes must be one of 'warn', 'keep', 'policy'"):
+    jlf.ModulePolicies(POLICY, explicit_dtypes="error")
+
+
+@pytest.mark.parametrize(
+  "module, expected",
+  [
+    (nn.Dense(3), None),
+    (nn.Dense(3, dtype=jnp.float32), F32),
+    (nn.Dense(3, dtype="bfloat16"), BF16),
+    (nnx.Linear(2, 3, dtype=jnp.float16, rngs=nnx.Rngs(0)), F16),
+    (nn.Embed(4, 3, dtype=jnp.int32), None),  # not a floating dtype: not a compute dtype
+    (nn.Dropout(0.1), None),  # no dtype attribute
+  ],
+)
+def test_explicit_dtype_reads_the_dtype_attribute(module, expected):
+  assert explicit_dtype(module) == expected

@@ -1,3 +1,6 @@
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,6 +261,63 @@ def test_convnet_batchnorm_in_fp32():
              for e in products(jaxpr))  # fmt: skip
 
 
+class ExamplesModel(nnx.Module):
+  """Written as in Flax's examples: every layer built with the model's dtype."""
+
+  def __init__(self, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(4, dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([nnx.Linear(4, 8, dtype=dtype, rngs=rngs),
+                            nnx.Linear(8, 4, dtype=dtype, rngs=rngs)])  # fmt: skip
+    self.head = nnx.Linear(4, 2, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(x + self.layers[1](nnx.relu(self.layers[0](self.norm(x)))))
+
+
+def _explicit_dtype_warnings(fn, *args) -> list[str]:
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")  # count every warning: no deduplication
+    fn(*args)
+  return [str(w.message) for w in caught if w.category is jlf.ExplicitDtypeWarning]
+
+
+def test_explicit_module_dtypes_are_kept_and_named_once_per_trace():
+  model, x = ExamplesModel(rngs=nnx.Rngs(0)), jnp.ones((2, 4))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def outputs(params, x):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    wins = jlf.policy_view(m, POLICY, explicit_dtypes="policy")
+    return jlf.policy_view(m, POLICY)(x), wins(x), m(x)
+
+  step = jit(outputs)
+  # The view is built inside the step: one warning per trace, not per call.
+  messages = _explicit_dtype_warnings(lambda: [step(params, x) for _ in range(2)])
+  assert len(messages) == 1, messages
+  assert messages[0].startswith("policy_view: 3 module(s)"), messages[0]
+  for name in ("layers/0 (Linear: dtype=float32, policy: bfloat16)", "layers/1 (Linear",
+               "head (Linear", "explicit_dtypes='policy'", "explicit_dtypes='keep'"):  # fmt: skip
+    assert name in messages[0], (name, messages[0])
+  assert "LayerNorm" not in messages[0]  # fp32 under the policy too
+  # Kept: the Linears multiply fp32 operands, their kernels read unrounded (the
+  # activations between them are bf16: the model itself has no dtype).
+  out, out_wins, ref = step(params, x)
+  assert rel_error(out, ref) < 0.01
+  view = jlf.policy_view(model, POLICY, explicit_dtypes="keep")
+  assert view.head.kernel.dtype == F32 and view.layers[0].kernel.dtype == F32
+  assert [in_dtypes(e) for e in products(jax.make_jaxpr(view)(x))] == [(F32, F32)] * 3
+  # "policy": the policy sets the dtypes (on the view only), silently.
+  wins = functools.partial(jlf.policy_view, model, POLICY, explicit_dtypes="policy")
+  assert not _explicit_dtype_warnings(wins)
+  wins = wins()
+  assert check_fp32_accumulation(jax.make_jaxpr(wins)(x)) == 3
+  assert wins.head.dtype == BF16 and model.head.dtype == F32
+  assert 0 < rel_error(out_wins, ref) < 0.05
+  # A model without dtypes warns about nothing.
+  plain = ExamplesModel(dtype=None, rngs=nnx.Rngs(0))
+  assert not _explicit_dtype_warnings(jlf.policy_view, plain, POLICY)
+
+
 class Pair(nnx.Module):
   def __init__(self, rngs):
     self.layers = nnx.data((nnx.Linear(2, 2, rngs=rngs), nnx.Linear(2, 2, rngs=rngs)))
@@ -273,6 +333,11 @@ class Pair(nnx.Module):
     (lambda: jlf.policy_view(object(), POLICY), TypeError, "expects a flax.nnx Module"),
     (lambda: jlf.policy_view(Pair(nnx.Rngs(0)), POLICY), TypeError, "immutable container"),
     (lambda: jlf.policy_view(Pair(nnx.Rngs(0)), "c=e4m3"), ValueError, "fp8"),
+    (
+      lambda: jlf.policy_view(Pair(nnx.Rngs(0)), POLICY, explicit_dtypes=None),
+      ValueError,
+      "explicit_dtypes must be one of 'warn', 'keep', 'policy'; got None",
+    ),
   ],
 )
 def test_bad_input_is_rejected(make, error, match):

@@ -4,7 +4,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_testing import F32, NnxLM, jit, lm_loss, tokens
+from flax_testing import F32, NnxConvNet, NnxLM, images, jit, leaf_rel_errors, lm_loss, tokens
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
@@ -111,3 +111,70 @@ def test_value_and_grad_has_aux_and_validates_argnums():
     np.testing.assert_allclose(g, 8 * r, rtol=1e-5, atol=1e-6)
   with pytest.raises(TypeError, match="argnums must be an int"):
     optimizer.value_and_grad(loss_fn, argnums=(0, 1))
+
+
+class StagedMlp(nnx.Module):
+  """Three Linear layers, one stage each (plain-JAX stage boundaries)."""
+
+  def __init__(self, *, rngs):
+    self.layers = nnx.List([nnx.Linear(3, 8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)])
+    self.head = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    for k, layer in enumerate(self.layers):
+      x = jl.stage_boundary(jnp.tanh(layer(x)), k)
+    return self.head(x)
+
+
+def test_layerwise_loss_scale_gives_true_gradients():
+  model, x = StagedMlp(rngs=nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (4, 3))
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  stages = jax.tree_util.tree_map_with_path(
+    lambda path, _: 2 if path[0].key == "head" else path[1].key, params
+  )
+  scale = jl.LayerwiseLossScale(stages).with_scales([2.0**10, 2.0**4, 2.0**7])
+  lr = 2.0**-3
+  optimizer = jlf.Optimizer(model, optax.sgd(lr), wrt=nnx.Param, loss_scale=scale)
+  loss_fn = lambda m: jnp.sum(m(x) ** 2)
+  true = nnx.as_pure(nnx.grad(loss_fn)(model))
+
+  @nnx.jit
+  def step(model, optimizer):
+    _, grads = optimizer.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return grads
+
+  grads = step(model, optimizer)
+  assert isinstance(grads, jl.LayerwiseGrads)
+  moved = jax.tree.map(lambda a, b: (b - a) / -lr, params, nnx.as_pure(nnx.state(model, nnx.Param)))
+  for name, err in leaf_rel_errors(moved, true).items():
+    assert err < 1e-6, name  # stage 0 arrived 2^-6 of its true value when scaled by S_2 only
+  np.testing.assert_array_equal(optimizer.loss_scale.scales.shape, (3,))
+
+
+def test_a_skipped_step_keeps_batch_stats():
+  model, x = NnxConvNet(rngs=nnx.Rngs(0)), images()
+  optimizer = jlf.Optimizer(
+    model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=jl.DynamicLossScale(jnp.float32(2.0**10))
+  )
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    loss_fn = lambda m: jnp.mean(jlf.policy_view(m, F16_POLICY)(x) ** 2)
+    _, grads = optimizer.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+
+  def snapshot():
+    return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.RngState)))]
+
+  before = snapshot()
+  step(model, optimizer, x.at[0, 0, 0, 0].set(jnp.inf))
+  assert not bool(optimizer.loss_scaling_state.last_finite)
+  for a, b in zip(snapshot(), before, strict=True):
+    np.testing.assert_array_equal(a, b)  # params and BatchStat alike
+  step(model, optimizer, x)
+  assert bool(optimizer.loss_scaling_state.last_finite)
+  ref = NnxConvNet(rngs=nnx.Rngs(0))
+  jlf.policy_view(ref, F16_POLICY)(x)  # the forward pass alone updates the statistics
+  np.testing.assert_allclose(model.bn.mean[...], ref.bn.mean[...], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(model.bn.var[...], ref.bn.var[...], rtol=1e-6, atol=1e-7)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax_testing import F32, LinenConvNet, LinenLM, images, jit, lm_loss, tokens
+from flax_testing import F32, LinenConvNet, LinenLM, images, jit, leaf_rel_errors, lm_loss, tokens
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
@@ -120,3 +120,70 @@ def test_params_are_stored_in_the_policy_param_dtype():
 def test_create_rejects_inconsistent_arguments(kwargs, match):
   with pytest.raises(TypeError, match=match):
     jlf.TrainState.create(params={}, tx=optax.sgd(1.0), **kwargs)
+
+
+class StateWithRequiredStats(jlf.TrainState):
+  batch_stats: Any  # no default, as with Flax's own TrainState
+
+
+def _bn_step(state, x):
+  def loss_fn(params):
+    logits, new = state.apply_fn(
+      {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+    )
+    return jnp.mean(logits**2), new["batch_stats"]
+
+  (loss, stats), grads = state.value_and_grad(loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads, batch_stats=stats), loss
+
+
+def test_a_skipped_step_keeps_batch_stats():
+  model, x = LinenConvNet(), images()
+  variables = jit(model.init)(jax.random.key(0), x)
+  state = StateWithRequiredStats.create(
+    apply_fn=model.apply,
+    params=variables["params"],
+    tx=optax.sgd(0.1),
+    policy=F16_POLICY,
+    loss_scale=jl.DynamicLossScale(jnp.float32(2.0**10)),
+    batch_stats=variables["batch_stats"],
+  )
+  step = jit(_bn_step)
+  # An inf in the batch: the forward pass's statistics are NaN, the step is skipped.
+  bad, _ = step(state, x.at[0, 0, 0, 0].set(jnp.inf))
+  assert not bool(bad.loss_scaling_state.last_finite)
+  for a, b in zip(
+    jax.tree.leaves((bad.params, bad.batch_stats)),
+    jax.tree.leaves((state.params, state.batch_stats)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(a, b)
+  # A finite step stores the new statistics, as Flax's TrainState does.
+  good, _ = step(bad, x)
+  assert bool(good.loss_scaling_state.last_finite)
+  assert not np.allclose(
+    good.batch_stats["BatchNorm_0"]["mean"], state.batch_stats["BatchNorm_0"]["mean"]
+  )
+  assert int(good.step) == 2
+
+
+def test_layerwise_loss_scale_gives_true_gradients():
+  model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(8), nn.tanh, nn.Dense(2)])
+  x = jax.random.normal(jax.random.key(1), (4, 3))
+  params = model.init(jax.random.key(0), x)["params"]
+  stages = jlf.layerwise_stages(model, {"params": params}, x, sequential_children=True)
+  scale = stages.loss_scale().with_scales(2.0 ** np.arange(12, 12 - 3 * stages.num_stages, -3))
+  lr = 2.0**-3
+  state = jlf.TrainState.create(
+    apply_fn=stages.wrap(model.apply), params=params, tx=optax.sgd(lr), loss_scale=scale
+  )
+
+  def loss_fn(p):
+    return jnp.sum(state.apply_fn({"params": p}, x) ** 2)
+
+  _, grads = state.value_and_grad(loss_fn)(state.params)
+  new = state.apply_gradients(grads=grads)
+  true = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(params)
+  moved = jax.tree.map(lambda a, b: (b - a) / -lr, params, new.params)
+  for name, err in leaf_rel_errors(moved, true).items():
+    assert err < 1e-6, name

@@ -1,5 +1,8 @@
 """Precision audit: find the operations mixed precision breaks, before a run does.
 
+The implementation of :func:`jmp_lite.audit`; the public names are exported by
+``jmp_lite`` (``jl.audit``, ``jl.AuditConfig``, ``jl.AUDIT_CHECKS``...).
+
 :func:`audit` traces a function (a model's ``apply``, a loss, a whole train
 step) to a jaxpr and walks every equation, including those of nested jaxprs
 (``jit``, ``scan``, ``cond``, ``while``, ``custom_jvp``/``custom_vjp``,
@@ -30,7 +33,13 @@ What it looks for (the ``check`` of a :class:`Finding`):
                           "as_written"``
 ``cast``                  a cast to float16/fp8 of values that do not fit: finite constants
                           beyond the format's max (``-1e9`` masks), results of range-expanding
-                          operations (``exp``, powers, long sums), unclipped casts to fp8
+                          operations (``exp``, powers, long sums, and means of them),
+                          unclipped casts to fp8
+``fp32_matmul``           a forward-pass ``dot_general``/``conv`` with float32 operands while
+                          the compute dtype is 16/8-bit (a layer built with
+                          ``dtype=jnp.float32`` under a bf16 policy runs in float32); only
+                          with a known compute dtype: :attr:`AuditConfig.compute_dtype`, or
+                          the ``policy`` of a function from ``jmp_lite.flax.policy_apply``
 ========================  ==================================================================
 
 The long-reduction threshold is :math:`1/\\epsilon` of the format (128 for
@@ -47,12 +56,18 @@ Operations of the backward pass (``transpose`` in the name stack, created by
 ``jax.grad``) are skipped unless ``include_backward=True``: they mirror the
 forward operations (fix the forward op and its transpose follows), and the
 range of gradients is what :mod:`jmp_lite.diagnostics` and loss scaling cover.
+Forward-pass operations that a derivative rule added (the division in
+``rsqrt``'s derivative ``-0.5 * rsqrt(x) / x``) are reported, marked
+:attr:`Finding.autodiff` with the operation they differentiate
+(:attr:`Finding.derivative_of`): the user's line did not write them, and moving
+that operation to float32 moves its derivative too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import math
 import os
 import sysconfig
@@ -67,9 +82,10 @@ import jaxlib
 import numpy as np
 
 from jmp_lite import _jaxpr, dtypes
+from jmp_lite.policy import Policy
 
 __all__ = [
-  "CHECKS",
+  "AUDIT_CHECKS",
   "AuditConfig",
   "AuditReport",
   "Finding",
@@ -78,7 +94,7 @@ __all__ = [
   "audit_jaxpr",
 ]
 
-CHECKS: dict[str, str] = {
+AUDIT_CHECKS: dict[str, str] = {
   "softmax": "exp / sum(exp) normalization in 16/8 bits",
   "logsumexp": "log(sum(exp(x))) (log_softmax, cross-entropy) in 16/8 bits",
   "exp": "exp, exp2, expm1 in 16/8 bits",
@@ -89,8 +105,9 @@ CHECKS: dict[str, str] = {
   "division": "division by a reduction in 16/8 bits",
   "matmul": "dot_general / convolution without a wide result type",
   "cast": "cast to float16 / fp8 of values beyond the format's range",
+  "fp32_matmul": "dot_general / convolution in float32 while the compute dtype is 16/8-bit",
 }
-"""The checks :func:`audit` runs, by name (all are enabled by default)."""
+"""The checks :func:`~jmp_lite.audit` runs, by name (all are enabled by default)."""
 
 _DEFAULT_FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 _MATMUL_MODES = ("assume_fp32", "as_written")
@@ -115,7 +132,13 @@ _SAME_VALUES = _TRANSPARENT | {
   "rev",
   "sort",
 }
-_UNION_OF_OPERANDS = {"concatenate": 0, "select_n": 1, "pad": 0, "dynamic_update_slice": 0}
+# Ops whose result is one of some operands' values: (first, end) of those operands.
+_UNION_OF_OPERANDS = {
+  "concatenate": (0, None),
+  "select_n": (1, None),  # the cases, not the predicate
+  "pad": (0, 2),  # the operand and the padding value
+  "dynamic_update_slice": (0, 2),  # the operand and the update, not the indices
+}
 _BOUNDED = {
   "tanh": (-1.0, 1.0),
   "logistic": (0.0, 1.0),
@@ -157,9 +180,10 @@ class Finding:
   """One precision-sensitive operation.
 
   Attributes:
-    check: which check fired, a key of :data:`CHECKS`.
+    check: which check fired, a key of :data:`~jmp_lite.AUDIT_CHECKS`.
     primitive: the JAX primitive, e.g. ``"exp"``, ``"reduce_sum"``.
-    dtype: the low-precision dtype involved, e.g. ``"float16"``.
+    dtype: the low-precision dtype involved, e.g. ``"float16"`` (for
+      ``fp32_matmul``: the compute dtype the matmul should run in).
     operands: the operands' types, e.g. ``("f16[2,4,16,16]",)``.
     results: the results' types.
     message: what goes wrong and how to fix it, with the format's numbers.
@@ -173,6 +197,13 @@ class Finding:
       Flax modules, ``"jvp(...)"``/``"transpose(...)"`` under ``jax.grad``.
     backward: whether the operation belongs to the backward pass.
     size: the number of values reduced / contracted / normalized, or None.
+    autodiff: whether JAX's autodiff created the operation rather than the
+      code at ``location``: every operation of the backward pass, and the
+      forward-pass operations of a derivative (``rsqrt``'s derivative divides
+      by its input).
+    derivative_of: for ``autodiff`` findings, the operation whose derivative
+      this is (``"rsqrt"``), or ``""`` when the traceback does not name it;
+      None otherwise.
   """
 
   check: str
@@ -186,6 +217,8 @@ class Finding:
   scope: str = ""
   backward: bool = False
   size: int | None = None
+  autodiff: bool = False
+  derivative_of: str | None = None
 
   def to_dict(self) -> dict[str, Any]:
     """A JSON-serializable dict of the fields."""
@@ -195,6 +228,9 @@ class Finding:
 
   def __str__(self) -> str:
     where = str(self.location) if self.location else "<unknown location>"
+    if self.autodiff:  # not a line the user wrote: say which derivative it is part of
+      what = f"the derivative of {self.derivative_of}" if self.derivative_of else "a derivative"
+      where = f"created by autodiff: {what} at {where}"
     lines = [f"[{self.check}] {where}"]
     ops = f"{self.primitive} {', '.join(self.operands)} -> {', '.join(self.results)}"
     if self.scope:
@@ -245,9 +281,9 @@ class AuditReport:
     checked = f"checked {self.num_operations} operations for {', '.join(self.formats)}"
     if not self.findings:
       return f"jmp_lite audit: no precision-sensitive operation found ({checked})."
-    groups: dict[tuple[str, SourceLocation | None], list[Finding]] = {}
+    groups: dict[tuple, list[Finding]] = {}
     for f in self.findings:
-      groups.setdefault((f.check, f.location), []).append(f)
+      groups.setdefault((f.check, f.location, f.autodiff, f.derivative_of), []).append(f)
     n = len(self.findings)
     sites = f"{len(groups)} site{'s' * (len(groups) != 1)}"
     lines = [f"jmp_lite audit: {n} finding{'s' * (n != 1)} at {sites} ({checked})."]
@@ -291,7 +327,7 @@ class AuditConfig:
   Attributes:
     formats: the low-precision formats to audit (names or dtypes, each
       narrower than 32 bits). Default: float16, bfloat16 and both fp8 formats.
-    checks: the checks to run, names from :data:`CHECKS` (default: all).
+    checks: the checks to run, names from :data:`~jmp_lite.AUDIT_CHECKS` (default: all).
     long_reduction: a sum/product/cumulative sum in a low-precision format is
       reported from this many reduced values on. Default (None): per format,
       :math:`1/\\epsilon` (128 for bfloat16, 1024 for float16, 8 for e4m3).
@@ -315,10 +351,16 @@ class AuditConfig:
     library_paths: extra directories whose frames count as library code when
       finding the user's line (installed packages, the Python standard
       library, JAX and jmp_lite always do).
+    compute_dtype: the dtype the program is meant to compute in (a name or
+      dtype), for the ``fp32_matmul`` check: with a 16/8-bit compute dtype,
+      forward-pass matmuls with float32 operands are reported. Default (None):
+      the compute dtype of the audited function's ``policy`` attribute (a
+      :class:`~jmp_lite.Policy`, as on the function ``jmp_lite.flax.policy_apply``
+      returns), and no ``fp32_matmul`` check when there is none.
   """
 
   formats: Sequence[Any] = _DEFAULT_FORMATS
-  checks: Collection[str] = tuple(CHECKS)
+  checks: Collection[str] = tuple(AUDIT_CHECKS)
   long_reduction: int | None = None
   long_contraction: int | None = None
   matmul_accumulation: str = "assume_fp32"
@@ -328,6 +370,7 @@ class AuditConfig:
   allow_scopes: Collection[str] = ()
   allow: Callable[[Finding], bool] | None = None
   library_paths: Collection[str] = ()
+  compute_dtype: Any = None
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -344,9 +387,9 @@ class AuditConfig:
       formats.append(dtype.name)
     set_("formats", tuple(dict.fromkeys(formats)))
     checks = _str_tuple(self.checks, "checks")
-    unknown = sorted(set(checks) - set(CHECKS))
+    unknown = sorted(set(checks) - set(AUDIT_CHECKS))
     if unknown:
-      raise ValueError(f"Unknown checks {unknown}; known checks: {', '.join(CHECKS)}.")
+      raise ValueError(f"Unknown checks {unknown}; known checks: {', '.join(AUDIT_CHECKS)}.")
     set_("checks", frozenset(checks))
     set_("long_reduction", _positive_int(self.long_reduction, "long_reduction"))
     set_("long_contraction", _positive_int(self.long_contraction, "long_contraction"))
@@ -360,6 +403,11 @@ class AuditConfig:
       set_(name, _str_tuple(getattr(self, name), name))
     if self.allow is not None and not callable(self.allow):
       raise TypeError(f"allow must be a callable taking a Finding, got {self.allow!r}.")
+    if self.compute_dtype is not None:
+      try:
+        set_("compute_dtype", dtypes.parse_dtype(self.compute_dtype).name)
+      except (TypeError, ValueError) as e:
+        raise type(e)(f"compute_dtype={self.compute_dtype!r}: {e}") from e
 
   def _threshold(self, dtype: np.dtype, override: int | None) -> int:
     if override is not None:
@@ -384,6 +432,39 @@ class AuditConfig:
 # Source locations
 
 
+# JAX's own files, relative to the jax package, that only bind, trace or call
+# functions: frames in them say nothing about who created an operation.
+_JAX_PLUMBING = frozenset(
+  {
+    "_src/api.py",
+    "_src/api_util.py",
+    "_src/core.py",
+    "_src/dispatch.py",
+    "_src/linear_util.py",
+    "_src/pjit.py",
+    "_src/source_info_util.py",
+    "_src/traceback_util.py",
+    "_src/tree_util.py",
+    "_src/util.py",
+  }
+)
+_JAX_AD = "_src/interpreters/ad.py"  # the JVP/linearize trace that runs derivative rules
+_JAX_CUSTOM_RULES = "_src/custom_derivatives.py"  # custom_jvp/custom_vjp: rules users write
+
+
+def _bare_name(function_name: str) -> str | None:
+  """``"rsqrt"`` for ``"_rsqrt"``; None for ``"f.<locals>.g"``, ``"<lambda>"``, methods."""
+  name = function_name.lstrip("_")
+  return name if name.isidentifier() else None
+
+
+def _binds(function_name: str, primitive: str) -> bool:
+  """Whether a JAX function of that name binds that primitive (``lax.select`` binds
+  ``select_n``; ``_convert_element_type_bind_with_trace``, ``convert_element_type``)."""
+  name = function_name.lstrip("_")
+  return bool(name) and (name.startswith(primitive) or primitive.startswith(name))
+
+
 class _FrameFilter:
   """Classifies source files: JAX internals, other libraries, or the user's code."""
 
@@ -394,6 +475,8 @@ class _FrameFilter:
     self._internal = tuple(
       norm(os.path.dirname(str(m.__file__))) for m in (jax, jaxlib) if getattr(m, "__file__", None)
     )
+    self._jax = norm(os.path.dirname(str(jax.__file__)))
+    self._jax_files: dict[str, str | None] = {}
     stdlib = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} - {None}
     self._stdlib = tuple(norm(p) for p in stdlib)
     here = os.path.dirname(os.path.abspath(__file__))  # jmp_lite itself
@@ -439,6 +522,69 @@ class _FrameFilter:
         break
     return user, (library if library != user else None)
 
+  def _jax_file(self, filename: str) -> str | None:
+    """The path of a JAX source file relative to the jax package ("_src/core.py"), else None."""
+    if filename not in self._jax_files:
+      path = os.path.realpath(filename)
+      rel = path[len(self._jax) :].replace(os.sep, "/") if path.startswith(self._jax) else None
+      self._jax_files[filename] = rel
+    return self._jax_files[filename]
+
+  def _plumbing(self, rel: str) -> bool:
+    return rel in _JAX_PLUMBING or (rel.startswith("_src/interpreters/") and rel != _JAX_AD)
+
+  def derivative_of(self, traceback: Any, primitive: str, differentiated: bool) -> tuple[bool, str]:
+    """Whether a derivative rule created an operation, and which operation it differentiates.
+
+    Two traceback shapes, innermost frame first:
+
+    * Traced by the JVP/linearize trace (``jax.grad`` of code outside ``jit``):
+      ``bind <- [lax wrapper <- derivative rule] <- ad.py <- bind <- lax.rsqrt
+      <- user``. A JAX frame between the operation and ``ad.py`` that is not
+      plumbing (nor the primitive's own ``bind`` wrapper) is the rule; the
+      primal itself is bound by ``ad.py`` (or ``pjit``'s rule) directly. A frame
+      of user code or of a ``custom_jvp`` rule there means the user wrote it.
+    * Inside a differentiated ``jit``/``scan``/``checkpoint``, JAX gives a
+      rule's operations the traceback of the operation they differentiate:
+      the innermost ``jax/_src/lax`` function names another primitive
+      (``div`` under ``lax.rsqrt``).
+
+    Returns ``(created_by_a_rule, name)``; ``name`` is the differentiated
+    operation (``"rsqrt"``, ``"mean"``) or ``""`` when no frame names it.
+    """
+    if traceback is None:
+      return False, ""
+    frames = [(self._jax_file(f.file_name), f.function_name) for f in traceback.frames]
+    ad = next((i for i, (rel, _) in enumerate(frames) if rel == _JAX_AD), None)
+    if ad is None:
+      if not differentiated:
+        return False, ""
+      for rel, function in frames:
+        if rel is None or not self._plumbing(rel):
+          name = _bare_name(function) if rel is not None and rel.startswith("_src/lax/") else None
+          return bool(name and not _binds(name, primitive)), name or ""
+      return False, ""
+    rule = []
+    for rel, function in frames[:ad]:
+      if rel is None or rel == _JAX_CUSTOM_RULES:
+        return False, ""  # the user's code (or a custom_jvp rule) bound it
+      if not self._plumbing(rel):
+        rule.append(function)
+    # The primitive's own binding wrappers (_convert_element_type_bind_with_trace).
+    while rule and _binds(rule[0], primitive) and "jvp" not in rule[0]:
+      rule.pop(0)
+    name = ""
+    for rel, function in frames[ad:]:
+      if rel is None:
+        break
+      if rel == _JAX_AD or self._plumbing(rel):
+        continue
+      bare = _bare_name(function)
+      if bare and (rel.startswith("_src/lax/") or not function.startswith("_")):
+        name = bare
+        break
+    return bool(rule), name
+
 
 # --------------------------------------------------------------------------------------------
 # Value ranges: an interval per value, to tell which casts can overflow
@@ -450,6 +596,9 @@ class _Range(NamedTuple):
   # Set when an operation that expands the range (exp, powers, long sums)
   # produced the value and its bounds are unknown; the string names that op.
   expanded_by: str | None = None
+  # When the only expansion is a sum of this many values: dividing by at least
+  # as much (a mean) gives back values within the summands' range.
+  growth: float = 0.0
 
   @property
   def magnitude(self) -> float:
@@ -504,6 +653,15 @@ def _safe(fn: Callable[[float], float], x: float, default: float) -> float:
 
 def _expanded(*ranges: _Range) -> str | None:
   return next((r.expanded_by for r in ranges if r.expanded_by), None)
+
+
+def _divided(a: _Range, lo: float, hi: float, divisor: float) -> _Range:
+  """The range ``[lo, hi]`` of ``a / d`` with ``|d| >= divisor``: what made ``a``
+  overflow-prone (an exp, a power) still does, except a sum's growth that a
+  division by the number of summands (a mean) undoes."""
+  if a.growth and divisor >= a.growth:
+    return _Range(lo, hi)
+  return _Range(lo, hi, a.expanded_by, a.growth / divisor if a.growth else 0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,6 +736,11 @@ class _Context(NamedTuple):
   backward: bool
   location: SourceLocation | None
   library_location: SourceLocation | None
+  # Inside jax.grad/jvp (a "jvp(" or "transpose(" name stack here or above).
+  differentiated: bool = False
+  # Inside a call (jit, scan...) that is itself differentiated.
+  in_differentiated_call: bool = False
+  traceback: Any = None
 
 
 def _aval_str(atom: Any) -> str:
@@ -598,10 +761,24 @@ def _shape(atom: Any) -> tuple[int, ...]:
   return tuple(getattr(getattr(atom, "aval", None), "shape", ()))
 
 
+def _contraction_size(eqn: Any) -> int:
+  """The number of products summed into each result of a dot_general / convolution."""
+  lhs, rhs = eqn.invars[:2]
+  if eqn.primitive.name == "dot_general":
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    return math.prod(_shape(lhs)[d] for d in lhs_contract)
+  out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+  shape = _shape(rhs)
+  return math.prod(shape) // max(shape[out_feature_dim], 1)
+
+
 class _Auditor:
   def __init__(self, config: AuditConfig):
     self.config = config
     self.formats = {np.dtype(jnp.dtype(f)) for f in config.formats}
+    # The 16/8-bit dtype matmuls should run in (fp32_matmul), if known and audited.
+    compute = None if config.compute_dtype is None else np.dtype(jnp.dtype(config.compute_dtype))
+    self.compute_dtype = compute if compute in self.formats else None
     self.frames = _FrameFilter(config.library_paths)
     self.findings: list[Finding] = []
     self.num_operations = 0
@@ -671,6 +848,12 @@ class _Auditor:
       return
     if ctx.backward and not self.config.include_backward:
       return
+    derivative_of = self.derivative_of(eqn, ctx)
+    if derivative_of:
+      message += (
+        f" JAX's autodiff created this operation for the derivative of {derivative_of}: "
+        f"computing {derivative_of} in float32 moves its derivative to float32 too."
+      )
     finding = Finding(
       check=check,
       primitive=eqn.primitive.name,
@@ -683,6 +866,8 @@ class _Auditor:
       scope=ctx.scope,
       backward=ctx.backward,
       size=None if size is None else int(size),
+      autodiff=derivative_of is not None,
+      derivative_of=derivative_of,
     )
     if not self.config._allowed(finding):
       self.findings.append(finding)
@@ -691,11 +876,30 @@ class _Auditor:
     info = eqn.source_info
     name = str(info.name_stack) if info is not None else ""
     scope = "/".join(s for s in (parent.scope, name) if s)
-    user, library = self.frames.locate(getattr(info, "traceback", None))
+    traceback = getattr(info, "traceback", None)
+    user, library = self.frames.locate(traceback)
     if user is None:  # e.g. equations JAX traced inside jnp.var: keep the caller's line
       user, library = parent.location, library or parent.library_location
     # JAX renders the backward pass as "transpose(jvp(...))" in name stacks.
-    return _Context(scope, parent.backward or "transpose(" in name, user, library)
+    backward = parent.backward or "transpose(" in name
+    differentiated = parent.differentiated or backward or "jvp(" in name
+    return _Context(
+      scope, backward, user, library, differentiated, parent.differentiated, traceback
+    )
+
+  def derivative_of(self, eqn: Any, ctx: _Context) -> str | None:
+    """None when the user's code wrote ``eqn``; when autodiff created it, the
+    operation it differentiates (``""`` when unknown). Only asked of findings."""
+    if not ctx.differentiated:
+      return None
+    created, name = False, ""
+    # A call or loop (jit, scan) holds both a primal and its derivative: its
+    # equations are judged one by one.
+    if not _jaxpr.sub_jaxprs(eqn):
+      created, name = self.frames.derivative_of(
+        ctx.traceback, eqn.primitive.name, ctx.in_differentiated_call
+      )
+    return name if created or ctx.backward else None
 
   # -- walk ---------------------------------------------------------------------------------
 
@@ -720,11 +924,16 @@ class _Auditor:
       if id(eqn) not in covered:
         self.check(eqn, graph, ranges, eqn_ctx, covered)
       outs = None
+      branches = []
       for sub in _jaxpr.sub_jaxprs(eqn):
         inner_in = [_UNKNOWN if b is None else rng(b) for b in sub.bindings]
         inner_out = self.visit(sub.jaxpr, sub.consts, inner_in, eqn_ctx)
         if sub.returns_outputs:
           outs = inner_out
+        elif eqn.primitive.name == "cond" and len(inner_out) == len(eqn.outvars):
+          branches.append(inner_out)
+      if outs is None and branches:  # cond: the result is one of its branches' results
+        outs = [_union(*rs) for rs in zip(*branches, strict=True)]
       if outs is None:
         outs = [self.transfer(eqn, graph, ranges)] * len(eqn.outvars)
       for v, r in zip(eqn.outvars, outs, strict=False):
@@ -739,14 +948,22 @@ class _Auditor:
     if out_dtype is None or not jnp.issubdtype(out_dtype, jnp.floating) or not ranges:
       return _UNKNOWN
     r = ranges[0]
+    src = _dtype(eqn.invars[0])
+    if name == "convert_element_type" and src is not None and src.itemsize < 4:
+      if jnp.issubdtype(src, jnp.floating) and self.narrow_range(src):
+        # A float16/fp8 value fits its format or is inf already: whatever made
+        # it overflow-prone was judged where it was computed in that format.
+        m = dtypes.format_info(src).max
+        return _Range(max(r.lo, -m), min(r.hi, m)) if r.bounded else _UNKNOWN
     if name in _SAME_VALUES:
       return r
     if name in _UNION_OF_OPERANDS:
-      return _union(*ranges[_UNION_OF_OPERANDS[name] :])
+      first, end = _UNION_OF_OPERANDS[name]
+      return _union(*ranges[first:end])
     if name in _BOUNDED:
       return _Range(*_BOUNDED[name])
     if name == "neg":
-      return _Range(-r.hi, -r.lo, r.expanded_by)
+      return _Range(-r.hi, -r.lo, r.expanded_by, r.growth)
     if name == "abs":
       lo = 0.0 if r.lo <= 0 <= r.hi else min(abs(r.lo), abs(r.hi))
       return _Range(lo, r.magnitude, r.expanded_by)
@@ -756,12 +973,20 @@ class _Auditor:
         b = _Range(-b.hi, -b.lo, b.expanded_by)
       return _Range(a.lo + b.lo, a.hi + b.hi, _expanded(a, b))
     if name == "mul":
-      return _Range(*_mul_bounds(*ranges), _expanded(*ranges))
+      a, b = eqn.invars
+      if a is b and not _jaxpr.is_literal(a) and not r.bounded:  # x * x: a square
+        return _Range(0.0, math.inf, r.expanded_by or "x * x")
+      lo, hi = _mul_bounds(*ranges)
+      for x, c in (ranges, ranges[::-1]):
+        if x.growth and c.lo == c.hi and c.lo != 0:  # sum * (1 / n)
+          return _divided(x, lo, hi, 1 / abs(c.lo))
+      return _Range(lo, hi, _expanded(*ranges))
     if name == "div":
       a, b = ranges
-      if b.bounded and b.lo == b.hi and abs(b.lo) >= 1:  # a mean: sum / n
-        lo, hi = sorted((a.lo / b.lo, a.hi / b.lo))
-        return _Range(lo, hi)
+      # A mean of exp or of x**2 (sum / n) can overflow as the sum can.
+      if b.bounded and not b.lo <= 0 <= b.hi:  # e.g. sum / n
+        lo, hi = _mul_bounds(a, _Range(1 / b.hi, 1 / b.lo))
+        return _divided(a, lo, hi, min(abs(b.lo), abs(b.hi)))
       return _Range(-math.inf, math.inf, a.expanded_by)
     if name in ("max", "min"):
       a, b = ranges
@@ -769,7 +994,8 @@ class _Auditor:
       return _Range(pick(a.lo, b.lo), pick(a.hi, b.hi), _expanded(a, b))
     if name == "clamp":
       low, x, high = ranges
-      return _Range(max(low.lo, min(x.lo, high.hi)), min(high.hi, max(x.hi, low.lo)))
+      lo, hi = max(low.lo, min(x.lo, high.hi)), min(high.hi, max(x.hi, low.lo))
+      return _Range(lo, hi, _expanded(x, low, high))
     if name in ("exp", "exp2", "expm1"):
       base = {"exp": math.exp, "exp2": lambda x: 2.0**x, "expm1": math.expm1}[name]
       if self.nonpositive_argument(graph, eqn):
@@ -782,7 +1008,8 @@ class _Auditor:
         vals = [_safe(lambda v: v**y, v, math.inf) for v in (r.lo, r.hi)]
         lo = 0.0 if y % 2 == 0 and r.lo <= 0 <= r.hi else min(vals)
         return _Range(lo, max(vals))
-      return _Range(-math.inf, math.inf, r.expanded_by or (name if y >= 2 else None))
+      lo = 0.0 if y % 2 == 0 else -math.inf  # even powers are >= 0
+      return _Range(lo, math.inf, r.expanded_by or (name if y >= 2 else None))
     if name == "sqrt":
       return _Range(math.sqrt(max(r.lo, 0.0)), math.sqrt(max(r.hi, 0.0)), r.expanded_by)
     if name == "pow":
@@ -792,8 +1019,10 @@ class _Auditor:
       if r.bounded and name in ("reduce_sum", "cumsum"):
         return _Range(min(r.lo * n, r.lo), max(r.hi * n, r.hi))
       long = n >= (self.config.long_reduction or 1024)
-      expanded = r.expanded_by or (f"{name} of {n} values" if long else None)
-      return _Range(-math.inf, math.inf, expanded)
+      if r.expanded_by or not long:
+        return _Range(-math.inf, math.inf, r.expanded_by)
+      growth = float(n) if name in ("reduce_sum", "cumsum") else 0.0
+      return _Range(-math.inf, math.inf, f"{name} of {n} values", growth)
     if name in ("log", "log1p", "rsqrt", "dot_general", "conv_general_dilated"):
       return _UNKNOWN
     return _Range(-math.inf, math.inf, _expanded(*ranges))
@@ -846,6 +1075,7 @@ class _Auditor:
       self.check_division(eqn, graph, ctx)
     elif name in ("dot_general", "conv_general_dilated"):
       self.check_matmul(eqn, ctx)
+      self.check_fp32_matmul(eqn, ctx)
     elif name == "convert_element_type":
       self.check_cast(eqn, graph, ranges, ctx)
     if name in ("add", "sub", "mul", "div"):
@@ -1046,13 +1276,7 @@ class _Auditor:
     out_dtype = _dtype(eqn.outvars[0])
     if in_dtype is None or out_dtype is None or out_dtype not in self.formats:
       return
-    if eqn.primitive.name == "dot_general":
-      (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-      n = math.prod(_shape(lhs)[d] for d in lhs_contract)
-    else:
-      out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
-      shape = _shape(rhs)
-      n = math.prod(shape) // max(shape[out_feature_dim], 1)
+    n = _contraction_size(eqn)
     info = dtypes.format_info(out_dtype)
     if self.config.matmul_accumulation == "assume_fp32":
       if not dtypes.is_float8(out_dtype):
@@ -1074,6 +1298,29 @@ class _Auditor:
         "preferred_element_type=jnp.float32 and cast the result."
       )
     self.add(ctx, "matmul", eqn, out_dtype, message, size=n)
+
+  def check_fp32_matmul(self, eqn, ctx: _Context):
+    compute = self.compute_dtype
+    if compute is None or ctx.backward or self.derivative_of(eqn, ctx) is not None:
+      return  # the backward pass mirrors the forward one: report the forward matmul
+    lhs, rhs = (_dtype(a) for a in eqn.invars[:2])
+    wide = [d for d in (lhs, rhs) if d is not None and jnp.issubdtype(d, jnp.floating)]
+    if len(wide) < 2 or min(d.itemsize for d in wide) < 4:
+      return
+    wide_name = wide[0].name
+    self.add(
+      ctx,
+      "fp32_matmul",
+      eqn,
+      compute,
+      f"{eqn.primitive.name} with {wide_name} operands while the compute dtype is "
+      f"{compute.name}: this matmul runs in {wide_name}, at a fraction of the throughput of "
+      f"{compute.name} units. A layer built with dtype=jnp.float32 (or an explicit cast to "
+      "float32) keeps its dtype under a policy: build it with the default dtype=None so the "
+      "policy decides. If it is meant to stay in float32, allow it (allow_scopes / "
+      "allow_locations).",
+      size=_contraction_size(eqn),
+    )
 
   def check_cast(self, eqn, graph: _Graph, ranges: list[_Range], ctx: _Context):
     dst = self.low(eqn.outvars[0])
@@ -1160,6 +1407,20 @@ def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
   return jax.make_jaxpr(traced)(*dynamic)
 
 
+def _policy_of(fn: Any) -> Policy | None:
+  """The :class:`Policy` a function runs under: its ``policy`` attribute (set by
+  ``jmp_lite.flax.policy_apply``), looked up through ``jax.jit``,
+  ``functools.wraps`` (``__wrapped__``) and ``functools.partial``."""
+  for _ in range(8):
+    policy = getattr(fn, "policy", None)
+    if isinstance(policy, Policy):
+      return policy
+    fn = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
+    if fn is None:
+      return None
+  return None
+
+
 def audit_jaxpr(jaxpr: Any, audit_config: AuditConfig | None = None) -> AuditReport:
   """Audits an already traced ``ClosedJaxpr`` (e.g. from :func:`jax.make_jaxpr`)."""
   config = AuditConfig() if audit_config is None else audit_config
@@ -1197,7 +1458,10 @@ def audit(
     fn: any function of arrays (a jitted function is fine).
     *args: its positional arguments.
     audit_config: an :class:`AuditConfig` with checks, thresholds and
-      allow-lists (default: everything on, default thresholds).
+      allow-lists (default: everything on, default thresholds). Without a
+      ``compute_dtype``, the compute dtype of ``fn.policy`` (a
+      :class:`~jmp_lite.Policy`, looked up through ``jax.jit`` and
+      ``functools.partial``) is used when there is one.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -1206,4 +1470,9 @@ def audit(
   """
   if not callable(fn):
     raise TypeError(f"audit expects a callable as its first argument, got {fn!r}.")
-  return audit_jaxpr(_trace(fn, args, kwargs), audit_config)
+  config = AuditConfig() if audit_config is None else audit_config
+  if isinstance(config, AuditConfig) and config.compute_dtype is None:
+    policy = _policy_of(fn)
+    if policy is not None:  # a policy-wrapped function: its matmuls should run in 16 bits
+      config = dataclasses.replace(config, compute_dtype=policy.compute_dtype)
+  return audit_jaxpr(_trace(fn, args, kwargs), config)

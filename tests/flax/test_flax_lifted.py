@@ -1,0 +1,193 @@
+"""Flax's lifted transforms inside the model, differentially against plain Flax.
+
+Each model (linen and NNX) scans a rematerialized block over 3 stacked layers
+and ends in an ensemble of heads (a vmapped Dense/Linear with stacked
+parameters). The same model runs plain in fp32 and through the policy: under
+an fp32 policy the outputs and gradients are Flax's; under bf16 compute each
+gradient leaf is within 5% of Flax's fp32 one, and every matmul, also inside
+the scan and remat bodies and in the vmapped heads, runs on bf16 operands
+with fp32 accumulation (the policy is not dropped at a transform boundary).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax_testing import BF16, F32, check_fp32_accumulation, eqns, in_dtypes, jit, products
+
+import jmp_lite.flax as jlf
+
+WIDTH, LAYERS, ENSEMBLE, BATCH, OUT = 8, 3, 2, 3, 5
+FP32_POLICY, POLICY = "p=f32,c=f32,o=f32", "p=f32,c=bf16,o=f32"
+
+
+def _inputs():
+  return jax.random.normal(jax.random.key(1), (ENSEMBLE, BATCH, WIDTH))
+
+
+class _LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(WIDTH)(nn.LayerNorm()(x))
+    return x + nn.Dense(WIDTH)(nn.gelu(h)), None
+
+
+class LinenLifted(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(WIDTH)(x)
+    blocks = nn.scan(
+      nn.remat(_LinenBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=LAYERS,
+    )
+    x, _ = blocks(name="blocks")(x)
+    heads = nn.vmap(
+      nn.Dense,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=0,
+      out_axes=0,
+    )
+    return heads(OUT, name="heads")(x)  # head i reads x[i]
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+    self.up = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+    self.down = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class NnxLifted(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.inp = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return _NnxBlock(rngs)
+
+    @nnx.split_rngs(splits=ENSEMBLE)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def heads(rngs):
+      return nnx.Linear(WIDTH, OUT, rngs=rngs)
+
+    self.blocks, self.heads = blocks(rngs), heads(rngs)
+
+  def __call__(self, x):
+    x = self.inp(x)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(x, block):
+      return block(x)
+
+    x = body(x, self.blocks)
+    return nnx.vmap(lambda head, x: head(x), in_axes=(0, 0))(self.heads, x)
+
+
+def _check_close(got, want, *, exact: bool):
+  """fp32 policy: Flax's values up to fp32 rounding; bf16: each leaf within 5%."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, g), w in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+  ):
+    assert g.dtype == F32 and g.shape == w.shape, path
+    if exact:
+      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    else:
+      error = float(np.linalg.norm(g - w) / np.linalg.norm(w))
+      assert error <= 0.05, (jax.tree_util.keystr(path), error)
+
+
+def _check_bf16_everywhere(jaxpr):
+  """Every matmul runs in bf16 with fp32 accumulation, also inside the lifted transforms."""
+  found = products(jaxpr)
+  assert found and check_fp32_accumulation(jaxpr) == len(found)
+  kinds = {"scan": "scan", "remat2": "remat", "checkpoint": "remat"}  # JAX's primitive names
+  bodies = {"scan": 0, "remat": 0}
+  for eqn in eqns(jaxpr):
+    if eqn.primitive.name in kinds:
+      inner = products(eqn.params["jaxpr"])
+      assert all(in_dtypes(e) == (BF16, BF16) for e in inner), eqn.primitive.name
+      bodies[kinds[eqn.primitive.name]] += len(inner)
+  # Forward and backward scans: 2 products per block forward (recomputed in the
+  # backward scan) and 4 backward; remat bodies hold the recomputed forward.
+  assert bodies["scan"] >= 2 + 6 and bodies["remat"] >= 2, bodies
+  # The vmapped heads: products whose kernel operand carries the ensemble axis.
+  heads = [
+    e for e in found if e.invars[1].aval.shape[0] == ENSEMBLE and OUT in e.invars[1].aval.shape
+  ]
+  assert heads, "no vmapped head product found"
+
+
+def _losses_and_grads(losses, params):
+  """(loss, grads) of each loss function; all compiled as one program with ``params``."""
+  return [jax.value_and_grad(loss)(params) for loss in losses]
+
+
+def _check_against_flax(ref, f32, b16):
+  """Each a (loss, grads) pair: plain Flax, the fp32 policy, the bf16 policy."""
+  _check_close(f32, ref, exact=True)
+  _check_close(b16[1], ref[1], exact=False)
+  assert abs(float(b16[0]) - float(ref[0])) <= 0.05 * abs(float(ref[0]))
+
+
+def test_linen_policy_init_apply_under_scan_remat_vmap_match_flax():
+  model, x = LinenLifted(), _inputs()
+  applies = (model.apply, jlf.policy_apply(model, FP32_POLICY), jlf.policy_apply(model, POLICY))
+  losses = [lambda p, a=a: jnp.mean(a({"params": p}, x) ** 2) for a in applies]
+
+  @jit
+  def run(key):
+    want, got = model.init(key, x), jlf.policy_init(model, POLICY)(key, x)
+    return want, got, _losses_and_grads(losses, want["params"])
+
+  want, got, results = run(jax.random.key(0))
+  # Same tree, shapes and values: the rng stream is Flax's, and no parameter is a
+  # leaked tracer of a recomputed (jax.checkpoint) LayerNorm.
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(g, w)
+  assert want["params"]["blocks"]["Dense_0"]["kernel"].shape == (LAYERS, WIDTH, WIDTH)
+  assert want["params"]["heads"]["kernel"].shape == (ENSEMBLE, WIDTH, OUT)
+  _check_against_flax(*results)
+  _check_bf16_everywhere(jax.make_jaxpr(jax.grad(losses[2]))(want["params"]))
+
+
+def _param_fn(model, fn):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return lambda p: fn(nnx.merge(graphdef, p, rest, copy=True)), params
+
+
+def _nnx_losses(model, x):
+  """The loss of plain NNX, the fp32 policy and the bf16 policy, as functions of the Params."""
+  views = (
+    lambda m: m,
+    lambda m: jlf.policy_view(m, FP32_POLICY),
+    lambda m: jlf.policy_view(m, POLICY),
+  )
+  pairs = [_param_fn(model, lambda m, v=v: jnp.mean(v(m)(x) ** 2)) for v in views]
+  return [loss for loss, _ in pairs], pairs[0][1]
+
+
+def test_nnx_policy_view_under_scan_remat_vmap_matches_flax():
+  x = _inputs()
+
+  @jit
+  def run():  # initializers and all three passes compiled as one program
+    losses, params = _nnx_losses(NnxLifted(nnx.Rngs(0)), x)
+    return params, _losses_and_grads(losses, params)
+
+  params, results = run()
+  assert params["blocks"]["up"]["kernel"].shape == (LAYERS, WIDTH, WIDTH)
+  assert params["heads"]["kernel"].shape == (ENSEMBLE, WIDTH, OUT)
+  _check_against_flax(*results)
+  losses, abstract = _nnx_losses(nnx.eval_shape(lambda: NnxLifted(nnx.Rngs(0))), x)
+  _check_bf16_everywhere(jax.make_jaxpr(jax.grad(losses[2]))(abstract))

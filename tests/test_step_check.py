@@ -1,0 +1,153 @@
+"""jl.check_loss_scaling catches the two wirings that train badly without an error."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+
+X = jax.random.normal(jax.random.key(0), (8, 4))
+Y = jax.random.normal(jax.random.key(1), (8, 2))
+PARAMS = {"w": jax.random.normal(jax.random.key(2), (4, 2)), "b": jnp.zeros(2)}
+
+
+def loss_fn(p, x, y):
+  pred = (x.astype(jnp.float16) @ p["w"].astype(jnp.float16)).astype(jnp.float32) + p["b"]
+  return jnp.mean((pred - y) ** 2)
+
+
+def make_step(tx, take_grads):
+  @jax.jit
+  def step(params, opt_state, x, y):
+    grads = take_grads(params, opt_state, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+def scaled(params, opt_state, x, y):
+  return jl.scaled_value_and_grad(loss_fn, opt_state)(params, x, y)[1]
+
+
+def by_hand(params, opt_state, x, y):  # the step of shared/DESIGN.md
+  loss_scale = jl.get_loss_scale(opt_state)
+  return jax.grad(lambda p: loss_scale.scale(loss_fn(p, x, y)))(params)
+
+
+def unscaled(params, opt_state, x, y):
+  return jax.grad(loss_fn)(params, x, y)
+
+
+SCALE = jl.DynamicLossScale(jnp.float32(2.0**12))
+
+
+@pytest.mark.parametrize("take_grads", [scaled, by_hand])
+def test_a_correct_step_passes_and_its_arguments_are_untouched(take_grads):
+  tx = jl.loss_scaling(optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.1)), SCALE)
+  opt_state = tx.init(PARAMS)
+  step = jax.jit(make_step(tx, take_grads), donate_argnums=(0, 1))
+  params = jax.tree.map(jnp.copy, PARAMS)
+  jl.check_loss_scaling(step, params, opt_state, X, Y)
+  np.testing.assert_array_equal(params["w"], PARAMS["w"])  # not donated, not moved
+  assert float(opt_state.loss_scale.loss_scale) == 2.0**12
+
+
+def test_gradients_of_the_unscaled_loss_are_reported():
+  tx = jl.loss_scaling(optax.sgd(0.1), SCALE)
+  with pytest.raises(ValueError, match="gradients of the unscaled loss"):
+    jl.check_loss_scaling(make_step(tx, unscaled), PARAMS, tx.init(PARAMS), X, Y)
+
+
+def test_clipping_before_loss_scaling_is_reported():
+  tx = optax.chain(optax.clip_by_global_norm(0.1), jl.loss_scaling(optax.sgd(0.1), SCALE))
+  with pytest.raises(ValueError, match="a transformation before loss_scaling"):
+    jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), X, Y)
+
+
+def test_layerwise_step_passes():
+  def staged(p, x, y):
+    h = jl.stage_boundary(jnp.tanh(x @ p["w"]), 0)
+    return jnp.mean((h + p["b"] - y) ** 2)
+
+  tx = jl.loss_scaling(optax.sgd(0.1), jl.LayerwiseLossScale({"w": 0, "b": 1}))
+
+  @jax.jit
+  def step(params, opt_state):
+    _, grads = jl.scaled_value_and_grad(staged, opt_state)(params, X, Y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  jl.check_loss_scaling(step, PARAMS, tx.init(PARAMS))
+
+
+def _train_state():
+  model = nn.Dense(2)
+  params = model.init(jax.random.key(0), X)["params"]
+  return jlf.TrainState.create(
+    apply_fn=model.apply,
+    params=params,
+    tx=optax.sgd(0.1),
+    policy="p=f32,c=f16,o=f32",
+    loss_scale=SCALE,
+  )
+
+
+def test_train_state_steps():
+  def loss(state, p):
+    return jnp.mean((state.apply_fn({"params": p}, X) - Y) ** 2)
+
+  @jax.jit
+  def good(state):
+    _, grads = state.value_and_grad(lambda p: loss(state, p))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  @jax.jit
+  def bad(state):
+    return state.apply_gradients(grads=jax.grad(lambda p: loss(state, p))(state.params))
+
+  jl.check_loss_scaling(good, _train_state())
+  with pytest.raises(ValueError, match="unscaled loss"):
+    jl.check_loss_scaling(bad, _train_state())
+
+
+def test_what_cannot_be_checked_is_refused():
+  tx = jl.loss_scaling(optax.sgd(0.1), SCALE)
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match="exactly one loss scaling state"):
+    jl.check_loss_scaling(make_step(tx, scaled), PARAMS, (state, state), X, Y)
+  with pytest.raises(ValueError, match="never called loss_scaling's update"):
+    jl.check_loss_scaling(lambda p, s: p, PARAMS, state)
+  with pytest.raises(ValueError, match="power of two"):
+    jl.check_loss_scaling(make_step(tx, scaled), PARAMS, state, X, Y, factor=0.3)
+  # With a scale of 1 scaled and unscaled gradients coincide: nothing to check.
+  noop = jl.loss_scaling(optax.sgd(0.1), jl.NoOpLossScale())
+  jl.check_loss_scaling(make_step(noop, unscaled), PARAMS, noop.init(PARAMS), X, Y)
+
+
+def test_nnx_optimizer_steps():
+  from flax import nnx
+
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  optimizer = jlf.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=SCALE)
+  loss = lambda m: jnp.mean((m(X) - Y) ** 2)
+
+  @nnx.jit
+  def good(model, optimizer):
+    _, grads = optimizer.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+
+  @nnx.jit
+  def bad(model, optimizer):
+    optimizer.update(model, nnx.grad(loss)(model))
+
+  kernel = np.asarray(model.kernel[...])
+  jl.check_loss_scaling(good, model, optimizer)
+  np.testing.assert_array_equal(model.kernel[...], kernel)  # the check ran on copies
+  assert int(optimizer.step[...]) == 0
+  with pytest.raises(ValueError, match="unscaled loss"):
+    jl.check_loss_scaling(bad, model, optimizer)
