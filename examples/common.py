@@ -563,6 +563,16 @@ def train(
     loss = terms["loss"] / (terms["count"] * denominator_factor)
     return loss, (updates, terms)
 
+  if fp8_config is not None:
+    # Step 0's fp8 scales from the first batch's own maxima (docs/fp8.md): otherwise they
+    # start at 1 and the first steps flush small gradients to zero.
+    fp8_state = jax.jit(
+      lambda p, ms, fs, b: fp8.calibrate(
+        lambda amax: loss_fn(p, amax, ms, fs, b, None), fs, fp8_config, has_aux=True
+      ),
+      compiler_options=_FAST_COMPILE,
+    )(params, model_state, fp8_state, task.train_batch(0))
+
   def train_step(params, model_state, fp8_state, opt_state, batch, step):
     loss_scale = jl.get_loss_scale(opt_state)
     if fp8_config is None:

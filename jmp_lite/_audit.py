@@ -1317,8 +1317,8 @@ class _Auditor:
       f"{compute.name}: this matmul runs in {wide_name}, at a fraction of the throughput of "
       f"{compute.name} units. A layer built with dtype=jnp.float32 (or an explicit cast to "
       "float32) keeps its dtype under a policy: build it with the default dtype=None so the "
-      "policy decides. If it is meant to stay in float32, allow it (allow_scopes / "
-      "allow_locations).",
+      "policy decides. If it is meant to stay in float32 (an fp32 override, e.g. the default "
+      "one of nn.Embed, whose attend() is a matmul), allow it (allow_scopes / allow_locations).",
       size=_contraction_size(eqn),
     )
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite.loss_scale import LossScale
+from jmp_lite.loss_scale import LossScale, NoOpLossScale
 from jmp_lite.transform import LossScalingState
 
 
@@ -70,9 +70,12 @@ class _ProbeScale:
     return self.inner.at_minimum
 
   def scale(self, tree: Any) -> Any:
-    return jax.tree.map(
-      lambda x: x * jnp.asarray(self.factor, jnp.result_type(x)), self.inner.scale(tree)
-    )
+    def scale_leaf(x):
+      if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return x
+      return x * jnp.asarray(self.factor, jnp.result_type(x))
+
+    return jax.tree.map(scale_leaf, self.inner.scale(tree))
 
   def unscale(self, tree: Any) -> Any:
     return self.inner.unscale(tree)
@@ -146,7 +149,7 @@ def check_loss_scaling(
 
   Args:
     step: the training step, as the training loop calls it (jitted or not).
-    *args, **kwargs: its arguments; exactly one loss scaling state must be
+    args, kwargs: its arguments; exactly one loss scaling state must be
       among them.
     factor: the second run's scale multiplier (a power of two, below 1 so the
       second run cannot overflow where the first did not).
@@ -165,8 +168,8 @@ def check_loss_scaling(
   loss_scale = found[0].loss_scale
   if not isinstance(loss_scale, LossScale):
     raise TypeError(f"The loss scaling state holds {type(loss_scale).__name__}, not a LossScale.")
-  if loss_scale.uniform and float(np.asarray(loss_scale.loss_scale)) == 1.0:
-    return  # scaled and unscaled gradients coincide: nothing can go wrong
+  if isinstance(loss_scale, NoOpLossScale):
+    return  # scaled and unscaled gradients coincide, now and later: nothing can go wrong
 
   def run(f: float) -> _Recorder:
     recorder = _Recorder()
@@ -208,6 +211,16 @@ def check_loss_scaling(
         "jl.loss_scaling(...)), which clips S times too early. Put loss_scaling outermost: "
         "jl.loss_scaling(optax.chain(optax.clip_by_global_norm(...), optimizer), loss_scale)."
       )
+  if abs(ratio - 1) <= 1e-3 and not first.from_value_and_grad:
+    raise ValueError(
+      "The gradients reaching loss_scaling's update do not carry the loss scale (scaling it by "
+      f"{factor:g} changed them by {ratio:.6g}). Either they are gradients of the unscaled loss "
+      "(every update is then 1/S of what it should be: take them with "
+      "jl.scaled_value_and_grad(loss_fn, opt_state) or differentiate loss_scale.scale(loss)), "
+      "or a transformation before loss_scaling, such as optax.clip_by_global_norm, sees the "
+      "scaled gradients (put loss_scaling outermost: jl.loss_scaling(optax.chain(clip, "
+      "optimizer), loss_scale))."
+    )
   if abs(ratio - 1) <= 1e-3:
     raise ValueError(
       "The gradients reaching loss_scaling's update do not carry the loss scale (scaling it by "

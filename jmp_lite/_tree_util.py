@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
@@ -53,3 +55,45 @@ def cast_like_params(grads: Any, params: Any) -> Any:
   return jax.tree.map(
     lambda g, p: g.astype(p.dtype) if is_float(g) and is_float(p) else g, grads, params
   )
+
+
+def register_dataclass(
+  cls,
+  data_fields: tuple[str, ...],
+  meta_fields: tuple[str, ...],
+  rebuild: Callable[[Any], None] | None = None,
+):
+  """Registers a frozen dataclass as a pytree whose unflatten skips __init__.
+
+  JAX rebuilds pytrees from placeholders (tracers, ``object()``, None), which
+  must not go through validation; jmp's custom unflatten also dropped
+  ``min_loss_scale``. Here every field round-trips: data fields as leaves,
+  meta fields as static aux data; ``rebuild(obj)`` then restores fields derived
+  from them.
+  """
+
+  def flatten_with_keys(obj):
+    children = [(jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in data_fields]
+    return children, tuple(getattr(obj, f) for f in meta_fields)
+
+  def flatten(obj):
+    return ([getattr(obj, f) for f in data_fields], tuple(getattr(obj, f) for f in meta_fields))
+
+  def unflatten(meta, children):
+    obj = object.__new__(cls)
+    for name, value in zip(data_fields + meta_fields, (*children, *meta), strict=True):
+      object.__setattr__(obj, name, value)
+    if rebuild is not None:
+      rebuild(obj)
+    return obj
+
+  jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+  return cls
+
+
+def replace_fields(obj: T, **changes) -> T:
+  """dataclasses.replace without re-running validation (for new state)."""
+  new = copy.copy(obj)
+  for name, value in changes.items():
+    object.__setattr__(new, name, value)
+  return new

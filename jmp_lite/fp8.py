@@ -59,6 +59,7 @@ history from one batch before training, with one pass under
 so the first step's error is rounding only; the training step is unchanged::
 
   state = fp8.calibrate(lambda amax: loss_fn(params, amax), state, config)
+
 See ``docs/fp8.md`` for the design, the Flax integration and the differences
 from ``flax.linen.fp8_ops``.
 """
@@ -437,12 +438,12 @@ class CurrentScalingScope:
   """What :func:`current_scaling` yields: ``probed_ops`` counts the fp8 ops
   traced inside with an amax probe (0: nothing would be observed)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.probed_ops = 0
 
 
 class _CurrentScalingScopes(threading.local):
-  def __init__(self):
+  def __init__(self) -> None:
     self.active: list[CurrentScalingScope] = []
 
 

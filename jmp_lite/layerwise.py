@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import _tree_util, dtypes, loss_scale, transform
+from jmp_lite import _tree_util, _validation, dtypes, transform
 
 HIST_MIN_EXP = -64
 """Exponent of the first histogram bin; smaller magnitudes are counted there."""
@@ -252,7 +252,8 @@ class LayerwiseLossScale:
       scanned stack of layers) a sequence of ints, one per leading index.
     num_stages: number of stages K (default: 1 + the largest index used).
     initial_scale: the scales of the first step (use powers of two): one for
-      every stage, or one per stage.
+      every stage, or one per stage; clipped into ``[min_loss_scale,
+      max_loss_scale]``.
     update_period: refresh the scales every this many finite steps. The
       maxima of the parameter gradients enter the history on every step (they
       are also the finiteness check); those of the boundary cotangents, one
@@ -288,7 +289,9 @@ class LayerwiseLossScale:
   bound ``M / S_k``), and for logging ``amax`` (the history's max at the last
   refresh) and
   ``underflow`` (predicted underflow fraction per stage at the new scales; only
-  with ``histograms=True``, zeros otherwise).
+  with ``histograms=True``, zeros otherwise). Built from the configuration when
+  not given; ``dataclasses.replace`` keeps it (shapes checked against the new
+  configuration).
   """
 
   uniform: ClassVar[bool] = False  # each stage's gradients carry their own scale
@@ -306,11 +309,12 @@ class LayerwiseLossScale:
   max_loss_scale: Any = 2.0**64
   backoff_factor: int = 2
   histograms: bool = False
-  scales: jax.Array = dataclasses.field(init=False)
-  steps_since_refresh: jax.Array = dataclasses.field(init=False)
-  amax_history: jax.Array = dataclasses.field(init=False)
-  amax: jax.Array = dataclasses.field(init=False)
-  underflow: jax.Array = dataclasses.field(init=False)
+  # State: built from the configuration when omitted; kept by dataclasses.replace.
+  scales: jax.Array = None  # type: ignore[assignment]
+  steps_since_refresh: jax.Array = None  # type: ignore[assignment]
+  amax_history: jax.Array = None  # type: ignore[assignment]
+  amax: jax.Array = None  # type: ignore[assignment]
+  underflow: jax.Array = None  # type: ignore[assignment]
   # (treedef, leaf specs) of param_stages: hashable, so it can be static pytree data.
   _stage_tree: tuple = dataclasses.field(init=False, repr=False)
 
@@ -327,7 +331,7 @@ class LayerwiseLossScale:
         )
     largest = max(max(spec) if isinstance(spec, StackedStages) else spec for spec in specs)
     num_stages = largest + 1 if self.num_stages is None else self.num_stages
-    set_("num_stages", loss_scale._check_int(num_stages, "num_stages", 1))
+    set_("num_stages", _validation.check_int(num_stages, "num_stages", 1))
     for spec in specs:
       ids = spec if isinstance(spec, StackedStages) else (spec,)
       if min(ids) < 0 or max(ids) >= self.num_stages:
@@ -335,13 +339,13 @@ class LayerwiseLossScale:
     specs = tuple(x if isinstance(x, StackedStages) else int(x) for x in specs)
     set_("_stage_tree", (treedef, specs))
     set_("param_stages", jax.tree.unflatten(treedef, specs))
-    set_("update_period", loss_scale._check_int(self.update_period, "update_period", 1))
-    set_("margin_bits", loss_scale._check_int(self.margin_bits, "margin_bits", 0))
+    set_("update_period", _validation.check_int(self.update_period, "update_period", 1))
+    set_("margin_bits", _validation.check_int(self.margin_bits, "margin_bits", 0))
     set_(
       "amax_history_length",
-      loss_scale._check_int(self.amax_history_length, "amax_history_length", 1),
+      _validation.check_int(self.amax_history_length, "amax_history_length", 1),
     )
-    set_("backoff_factor", loss_scale._check_int(self.backoff_factor, "backoff_factor", 2))
+    set_("backoff_factor", _validation.check_int(self.backoff_factor, "backoff_factor", 2))
     if not isinstance(self.histograms, bool):
       raise TypeError(f"histograms must be a bool, got {self.histograms!r}.")
     if not 0 < float(self.underflow_fraction) < 1:
@@ -361,12 +365,25 @@ class LayerwiseLossScale:
       set_("initial_scale", initial[0])
     else:
       set_("initial_scale", initial)
-    set_("scales", jnp.asarray(np.clip(initial, low, high), jnp.float32))
-    # The first step computes statistics, so the second already uses them.
-    set_("steps_since_refresh", jnp.asarray(self.update_period - 1, jnp.int32))
-    set_("amax_history", jnp.zeros((self.amax_history_length, self.num_stages), jnp.float32))
-    set_("amax", jnp.zeros((self.num_stages,), jnp.float32))
-    set_("underflow", jnp.zeros((self.num_stages,), jnp.float32))
+    k = self.num_stages
+    initial_state = {
+      "scales": lambda: np.clip(initial, low, high),
+      # The first step computes statistics, so the second already uses them.
+      "steps_since_refresh": lambda: np.asarray(self.update_period - 1, np.int32),
+      "amax_history": lambda: np.zeros((self.amax_history_length, k), np.float32),
+      "amax": lambda: np.zeros((k,), np.float32),
+      "underflow": lambda: np.zeros((k,), np.float32),
+    }
+    for name, make in initial_state.items():
+      value = getattr(self, name)
+      expected = make()
+      if value is None:
+        value = expected
+      elif np.shape(value) != expected.shape:
+        raise ValueError(
+          f"{name} must have shape {expected.shape} for this configuration, got {np.shape(value)}."
+        )
+      set_(name, jnp.asarray(value, expected.dtype))
 
   # The loss-scale contract (jmp_lite.LossScale) -------------------------------
 
@@ -381,13 +398,14 @@ class LayerwiseLossScale:
     return jnp.any(self.scales <= jnp.asarray(self.min_loss_scale, jnp.float32))
 
   def scale(self, tree: Any) -> Any:
-    """Refuses: a plain ``jax.grad`` of a scaled loss cannot scale stages apart.
+    """Refuses with more than one stage: a plain ``jax.grad`` cannot scale stages apart.
 
     The stage boundaries convert between the stages' scales only inside
     :meth:`value_and_grad`; ``jax.grad(lambda p: scale.scale(loss(p)))`` would
     leave them inactive and give every stage the last stage's scale.
     """
-    del tree
+    if self.num_stages == 1:
+      return _tree_util.scale_tree(tree, self.scales[0])  # one stage, one scale
     raise TypeError(
       "LayerwiseLossScale.scale: layer-wise scaling gives each stage its own scale, which a "
       "plain jax.grad of a scaled loss cannot do (the stage boundaries stay inactive, so every "
@@ -413,9 +431,9 @@ class LayerwiseLossScale:
 
   def adjust(self, grads_finite: jax.Array) -> LayerwiseLossScale:
     """Without statistics: on overflow halve every stage, else count the step."""
-    finite = loss_scale._check_predicate(grads_finite, "grads_finite")
+    finite = _validation.check_predicate(grads_finite, "grads_finite")
     backed = jnp.maximum(self.scales / self.backoff_factor, jnp.asarray(self.min_loss_scale))
-    return loss_scale._replace(
+    return _tree_util.replace_fields(
       self,
       scales=jnp.where(finite, self.scales, backed.astype(jnp.float32)),
       steps_since_refresh=jnp.where(
@@ -448,7 +466,7 @@ class LayerwiseLossScale:
           f"scales must be finite and within [min_loss_scale, max_loss_scale] = "
           f"[{self.min_loss_scale}, {self.max_loss_scale}]; got {host.tolist()}."
         )
-    return loss_scale._replace(self, scales=values)
+    return _tree_util.replace_fields(self, scales=values)
 
   def value_and_grad(
     self,
@@ -559,7 +577,7 @@ class LayerwiseLossScale:
     backed = jnp.where(stage_finite & ~unobserved_above, scales, scales / self.backoff_factor)
     backed = jnp.where(culprit, jnp.minimum(backed, new_scales), backed)
     backed = jnp.maximum(backed, jnp.asarray(self.min_loss_scale, jnp.float32))
-    next_state = loss_scale._replace(
+    next_state = _tree_util.replace_fields(
       self,
       scales=jnp.where(finite, jnp.where(refresh, new_scales, scales), backed).astype(jnp.float32),
       steps_since_refresh=jnp.where(
@@ -681,7 +699,7 @@ def _shift_histogram(hist: jax.Array, shift: jax.Array) -> jax.Array:
   return jnp.zeros_like(hist).at[destination].add(hist)
 
 
-loss_scale._register(
+_tree_util.register_dataclass(
   LayerwiseLossScale,
   ("scales", "steps_since_refresh", "amax_history", "amax", "underflow"),
   (
@@ -712,96 +730,229 @@ def check_stages(
   tolerance: float = 1e-3,
   **kwargs: Any,
 ) -> None:
-  """Checks that every parameter's gradient comes from the stage it is assigned to.
+  r"""Checks that every parameter's gradient comes from the stage it is assigned to.
 
   A debugging aid for the plain-JAX API, where nothing else catches a parameter
   used in two stages (tied weights), a tensor that bypasses a boundary (a skip
   connection across stages) or a wrong index in ``param_stages``: each gives
-  silently wrong gradients. Compiles ``fun(params, *args, **kwargs)`` once and
-  runs it once per boundary: a small batch is enough.
+  silently wrong gradients. Compiles the gradient of ``fun(params, *args,
+  **kwargs)`` once, runs it a few times to choose scales and then once per
+  boundary: a small batch is enough.
 
-  How: with boundary ratios ``r_j = S_j / S_{j+1}``, the scaled gradient of a
-  parameter of stage ``s`` is its true gradient times ``S_s = S_{K-1}
-  prod_{j >= s} r_j``, so ``r_j * d(grad) / d(r_j)`` (forward mode over the
-  backward pass) equals the gradient for ``j >= s`` and is zero for ``j < s``.
-  Any other share means part of the gradient crossed boundaries its stage does
-  not account for.
+  How: the scaled gradient of a parameter of stage :math:`s` is its true
+  gradient times :math:`S_s`, and doubling :math:`S_0, \dots, S_j` (the ratio
+  at boundary :math:`j`) doubles the part of every gradient that flows through
+  boundary :math:`j` and leaves the rest alone. With :math:`\hat g` a scaled
+  gradient, :math:`\hat g_j` the same after the doubling and :math:`d` its
+  change when every scale doubles (:math:`\hat g` itself, in exact arithmetic),
+
+  .. math::
+
+    \text{share}_j = \langle d, \hat g_j - \hat g \rangle / \|d\|^2
+
+  is 1 for :math:`j \ge s` and 0 for :math:`j < s`; any other share means part
+  of the gradient crossed boundaries its stage does not account for. All runs
+  execute the same compiled program, and multiplying by a power of two commutes
+  with rounding while values stay in the format's normal range, so the shares
+  of a correct staging are exactly 0 and 1, in fp16 and bf16 too. To keep the
+  values in that range the check picks its own power-of-two scales, not
+  ``loss_scale``'s (under which deep stages may underflow): from the loss down,
+  each stage's largest boundary cotangent goes 6 powers of two below the max of
+  ``loss_scale.gradient_dtype``, lower where a stage overflowed. The shares it
+  reports for a wrong staging are measured at these scales (a tensor that
+  bypasses a boundary mixes values of two scales, so they depend on them).
+  Only values that round to subnormals or zero make a correct share deviate
+  from 0 or 1; ``tolerance`` absorbs that, while a wrong stage deviates by 1.
 
   Args:
     fun: the loss function, differentiated with respect to ``params``.
-    loss_scale: a :class:`LayerwiseLossScale`, or an optimizer state holding one.
+    loss_scale: a :class:`LayerwiseLossScale`, or an optimizer state holding
+      one: its ``param_stages`` are checked; its scales are the first guess.
     params, args, kwargs: what ``fun`` is called with.
     has_aux: ``fun`` returns ``(loss, aux)``.
-    tolerance: the largest accepted deviation of a share from 0 or 1.
+    tolerance: the largest accepted deviation of a share from 0 or 1, in
+      ``[0, 1)``.
 
   Raises:
     ValueError: naming every parameter (or slice of a stacked one) whose
       gradient does not come from its stage, with the share of it that flows
-      through each boundary.
+      through each boundary and the largest deviation; or if the gradients are
+      not finite at any scale the check tried.
   """
   scale = transform.get_loss_scale(loss_scale)
   if not isinstance(scale, LayerwiseLossScale):
     raise TypeError(f"check_stages needs a LayerwiseLossScale, got {type(scale).__name__}.")
-  num_boundaries = scale.num_stages - 1  # type: ignore[operator]  # an int after __post_init__
-  if num_boundaries == 0:
+  if not 0 <= float(tolerance) < 1:
+    raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}.")
+  num_stages: int = scale.num_stages  # type: ignore[assignment]  # an int after __post_init__
+  if num_stages == 1:
     return
-  ratios = scale.scales[:-1] / scale.scales[1:]
+  # The boundary maxima on every call: they set the scales.
+  mode = _StatsMode(histograms=False, max_every_step=True)
   probes = BoundaryStats(
-    jnp.zeros((num_boundaries,), jnp.float32),
-    jnp.zeros((num_boundaries, HIST_BINS), jnp.float32),
+    jnp.zeros((num_stages - 1,), jnp.float32),
+    jnp.zeros((num_stages - 1, HIST_BINS), jnp.float32),
   )
 
-  def scaled_grads(ratios):
-    context = _BoundaryContext(_StatsMode(False, False), ratios, jnp.float32(0), probes)
-
-    def scaled_loss(p):
-      with _activate(context):
+  @jax.jit
+  def grads_and_boundary_amax(ratios, top, params):
+    def scaled_loss(p, probes):
+      with _activate(_BoundaryContext(mode, ratios, jnp.float32(1), probes)):
         out = fun(p, *args, **kwargs)
-      return (out[0] if has_aux else out) * scale.scales[-1]
+      return (out[0] if has_aux else out) * top
 
-    return jax.grad(scaled_loss)(params)
+    grads, stats = jax.grad(scaled_loss, argnums=(0, 1))(params, probes)
+    return grads, stats.amax
 
-  # The derivative along r_j * e_j (with respect to log r_j) is r_j d(grad)/d(r_j),
-  # directly: it has the gradient's magnitude, so it cannot overflow where the gradient does not.
-  shares = jax.jit(lambda direction: jax.jvp(scaled_grads, (ratios,), (direction,)))
-  per_boundary = [
-    shares(jnp.zeros_like(ratios).at[j].set(ratios[j])) for j in range(num_boundaries)
+  def scaled_grads(exps):
+    """The scaled gradients and boundary maxima with the scales ``2**exps``."""
+    # Only the ratios and the loss's scale enter: the scales themselves need no float32 range.
+    ratios = np.ldexp(1.0, exps[:-1] - exps[1:]).astype(np.float32)
+    return grads_and_boundary_amax(ratios, np.float32(np.ldexp(1.0, exps[-1])), params)
+
+  target = dtypes.format_info(scale.gradient_dtype).max * 2.0**-_CHECK_HEADROOM_BITS
+  exps = np.log2(np.asarray(scale.scales, np.float64))  # a first guess
+  exps = np.clip(np.nan_to_num(np.round(exps)), -_CHECK_MAX_EXP, _CHECK_MAX_EXP).astype(np.int64)
+  ceiling = np.full(num_stages, np.iinfo(np.int64).max)
+  # The search runs with every scale doubled, the most any later run doubles, so
+  # that those stay finite too. Once a stage is well scaled, its boundary
+  # cotangent scales the stage below: every run fixes at least one more stage.
+  for attempt in range(num_stages + 8):
+    all_doubled, boundary_amax = scaled_grads(exps + 1)
+    specs = scale._leaf_specs(all_doubled)
+    fit, finite = _check_stage_fit(all_doubled, specs, boundary_amax, exps + 1, target)
+    new = _check_next_exps(fit, finite, exps, ceiling)
+    if np.array_equal(new, exps) or attempt == num_stages + 7:
+      break
+    exps = new
+  grads, boundary_amax = scaled_grads(exps)
+  finite &= _check_stage_fit(grads, specs, boundary_amax, exps, target)[1]
+  if not finite.all():
+    raise ValueError(
+      "check_stages needs finite gradients, but the backward pass of stages "
+      f"{np.flatnonzero(~finite).tolist()} gave inf or NaN at every scale it tried (the last: "
+      f"2**{exps.tolist()}). Is the loss finite?"
+    )
+
+  # (name, stage, gradient) per parameter, or per slice of a stacked one.
+  def rows_of(tree):
+    for (path, g), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0], specs, strict=True):
+      g = np.asarray(g, np.float64)
+      if isinstance(spec, StackedStages):
+        for index, stage in enumerate(spec):
+          yield f"{jax.tree_util.keystr(path)}[{index}]", stage, g[index].ravel()
+      else:
+        yield jax.tree_util.keystr(path), spec, g.ravel()
+
+  # d, the change when every scale doubles, is g itself but for values that rounded
+  # differently near the subnormals. Measured against it, a parameter of stage s sees for
+  # j >= s the very computation of its own stage that d saw: its own subnormals cancel.
+  rows: list[tuple[str, int, np.ndarray, np.ndarray, list[float]]] = [
+    (name, stage, g, g_all - g, [])
+    for (name, stage, g), (*_, g_all) in zip(rows_of(grads), rows_of(all_doubled), strict=True)
   ]
-  grads = per_boundary[0][0]
-  paths_and_grads = jax.tree_util.tree_flatten_with_path(grads)[0]
-  specs = scale._leaf_specs(grads)
+  for j in range(num_stages - 1):
+    doubled = scaled_grads(exps + (np.arange(num_stages) <= j))[0]
+    for (*_, g, d, measured), (*_, g_j) in zip(rows, rows_of(doubled), strict=True):
+      norm2 = np.vdot(d, d)
+      measured.append(np.vdot(d, g_j - g) / norm2 if norm2 > 0 else 0.0)
+
+  # Enough digits that a share beyond the tolerance never prints as its 0 or 1.
+  digits = 17 if tolerance == 0 else min(17, max(4, 2 + math.ceil(-math.log10(tolerance))))
   problems = []
-  for i, ((path, g), spec) in enumerate(zip(paths_and_grads, specs, strict=True)):
-    stacked = isinstance(spec, StackedStages)
-    scale._leaf_scale(g, spec)  # checks a stacked parameter's leading axis
-    for index, stage in enumerate(spec if stacked else (spec,)):
-      g_slice = np.asarray(g[index] if stacked else g, np.float64)
-      norm = np.linalg.norm(g_slice)
-      if not np.isfinite(norm) or norm == 0:
-        continue  # nothing to attribute
-      share = []
-      for _, tangents in per_boundary:
-        t = np.asarray(jax.tree.leaves(tangents)[i], np.float64)
-        share.append(float(np.vdot(g_slice, t[index] if stacked else t) / norm**2))
-      share = np.asarray(share)
-      if np.all(np.abs(share - _one_stage_shares(stage, num_boundaries)) <= tolerance):
-        continue
-      name = jax.tree_util.keystr(path) + (f"[{index}]" if stacked else "")
-      shown = ", ".join(f"{j}: {x:.3g}" for j, x in enumerate(share))
-      fits = [
-        k
-        for k in range(num_boundaries + 1)
-        if np.all(np.abs(share - _one_stage_shares(k, num_boundaries)) <= tolerance)
-      ]
-      hint = f"; it behaves like stage {fits[0]}" if fits else ""
-      problems.append(f"  {name}, assigned to stage {stage}{hint}: {shown}")
+  for name, stage, _, d, share_list in rows:
+    if not np.any(d):
+      continue  # nothing to attribute (an unused parameter)
+    shares = np.asarray(share_list)
+    deviation = np.abs(shares - _one_stage_shares(stage, num_stages - 1))
+    if np.max(deviation) <= tolerance:
+      continue
+    shown = ", ".join(f"{j}: {x:.{digits}g}" for j, x in enumerate(shares))
+    fits = [
+      k
+      for k in range(num_stages)
+      if np.all(np.abs(shares - _one_stage_shares(k, num_stages - 1)) <= tolerance)
+    ]
+    hint = f"; it behaves like stage {fits[0]}" if fits else ""
+    worst = int(np.argmax(deviation))
+    problems.append(
+      f"  {name}, assigned to stage {stage}{hint}: {shown}\n"
+      f"    largest deviation {deviation[worst]:.{digits}g} (at boundary {worst})"
+    )
   if problems:
     raise ValueError(
       "These parameters' gradients do not come from their stage alone. Share of each "
       "gradient through boundaries 0, 1, ... (stage s expects 0 below boundary s, 1 from "
-      "it on):\n" + "\n".join(problems) + "\nA parameter may be "
-      "used in two stages, a tensor may bypass a boundary, or param_stages may be wrong."
+      f"it on; deviations up to {tolerance:g} are accepted):\n" + "\n".join(problems) + "\n"
+      "A parameter may be used in two stages, a tensor may bypass a boundary, or "
+      "param_stages may be wrong."
     )
+
+
+_CHECK_HEADROOM_BITS = 6
+"""check_stages puts each stage's largest boundary cotangent this many powers of two below the
+format's max: one for the doubling, the rest for parameter gradients (sums over the batch) and
+values inside a stage larger than those at its boundaries."""
+_CHECK_MAX_EXP = 100
+"""Bound on |log2| of check_stages's loss scale and of its ratio between adjacent stages."""
+
+
+def _check_stage_fit(grads, specs, boundary_amax, exps, target):
+  """Per stage: the exponent that puts its largest boundary cotangent at most at ``target``
+  (NaN when both its boundaries are zero), and whether its backward pass (its parameters'
+  gradients and the cotangent it passes down) stayed finite, with the scales ``2**exps``."""
+  finite = np.ones(len(exps), bool)
+  for g, spec in zip(jax.tree.leaves(grads), specs, strict=True):
+    g = np.asarray(g)
+    if isinstance(spec, StackedStages):
+      if g.ndim == 0 or g.shape[0] != len(spec):
+        raise ValueError(
+          f"A stacked parameter of shape {g.shape} was given {len(spec)} stage indices; "
+          "its leading axis must have one per index."
+        )
+      for stage, ok in zip(spec, np.isfinite(g.reshape(len(spec), -1)).all(axis=1), strict=True):
+        finite[stage] &= ok
+    else:
+      finite[spec] &= np.isfinite(g).all()
+  # Boundary k is observed at 2**exps[k+1], as the output of stage k+1's backward pass and
+  # the input of stage k's (_amax maps NaN to inf). Parameter gradients do not enter: those
+  # of a tensor that bypasses boundaries mix two scales, which would feed back into the scales.
+  b = np.asarray(boundary_amax, np.float64)
+  finite[1:] &= np.isfinite(b)
+  usable = np.isfinite(b) & (b > 0)
+  # floor(log2(target / b)), exactly: frexp gives x = m 2^e with m in [0.5, 1).
+  fits_b = np.where(usable, exps[1:] + np.frexp(target / np.where(usable, b, 1.0))[1] - 1, np.nan)
+  fit = np.full(len(exps), np.nan)
+  fit[:-1] = fits_b
+  fit[1:] = np.fmin(fit[1:], fits_b)
+  return fit, finite
+
+
+def _check_next_exps(fit, finite, exps, ceiling) -> np.ndarray:
+  """check_stages's next scales (as exponents), from the loss down.
+
+  A stage takes its fit. inf/NaN flows backwards from where it started, the
+  highest non-finite stage: its scale drops by 2^4 and stays at most there from
+  then on (``ceiling``, updated in place), by 2^16 if no boundary gave it a
+  fit. Any other stage without a fit (its boundary cotangents were zero or not
+  finite) takes the scale of the stage above, so that the cotangent it
+  receives arrives as it was.
+  """
+  culprit = np.flatnonzero(~finite).max() if not finite.all() else -1
+  if culprit >= 0:
+    ceiling[culprit] = min(ceiling[culprit], exps[culprit] - 4)
+  new = exps.copy()
+  for k in reversed(range(len(exps))):
+    if not np.isnan(fit[k]):
+      new[k] = fit[k]
+    elif k == culprit:
+      new[k] = exps[k] - 16
+    elif k + 1 < len(exps):
+      new[k] = new[k + 1]
+    new[k] = min(new[k], ceiling[k])
+    above = 0 if k + 1 == len(exps) else new[k + 1]
+    new[k] = np.clip(new[k], above - _CHECK_MAX_EXP, above + _CHECK_MAX_EXP)
+  return new
 
 
 def _one_stage_shares(stage: int, num_boundaries: int) -> np.ndarray:

@@ -20,12 +20,10 @@ without recompilation as the scale moves.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
 import numbers
-import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
@@ -34,127 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import _tree_util
+from jmp_lite import _tree_util, _validation
 
 T = TypeVar("T")
-
-
-def _register(
-  cls,
-  data_fields: tuple[str, ...],
-  meta_fields: tuple[str, ...],
-  rebuild: Callable[[Any], None] | None = None,
-):
-  """Registers a frozen dataclass as a pytree whose unflatten skips __init__.
-
-  JAX rebuilds pytrees from placeholders (tracers, ``object()``, None), which
-  must not go through validation; jmp's custom unflatten also dropped
-  ``min_loss_scale``. Here every field round-trips: data fields as leaves,
-  meta fields as static aux data; ``rebuild(obj)`` then restores fields derived
-  from them.
-  """
-
-  def flatten_with_keys(obj):
-    children = [(jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in data_fields]
-    return children, tuple(getattr(obj, f) for f in meta_fields)
-
-  def flatten(obj):
-    return ([getattr(obj, f) for f in data_fields], tuple(getattr(obj, f) for f in meta_fields))
-
-  def unflatten(meta, children):
-    obj = object.__new__(cls)
-    for name, value in zip(data_fields + meta_fields, (*children, *meta), strict=True):
-      object.__setattr__(obj, name, value)
-    if rebuild is not None:
-      rebuild(obj)
-    return obj
-
-  jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-  return cls
-
-
-def _replace(obj: T, **changes) -> T:
-  """dataclasses.replace without re-running validation (for new state)."""
-  new = copy.copy(obj)
-  for name, value in changes.items():
-    object.__setattr__(new, name, value)
-  return new
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-def _as_scale(value: jax.typing.ArrayLike, name: str, *, warn_integer: bool = False) -> jax.Array:
-  """Converts a loss scale to a strongly typed floating scalar and checks it.
-
-  An integer scale becomes float32; with ``warn_integer`` that conversion
-  warns, as jmp's ``DynamicLossScale`` does for an integer scale.
-  """
-  if isinstance(value, (bool, np.bool_)) or (hasattr(value, "dtype") and value.dtype == bool):
-    raise TypeError(f"{name} must be a positive number, got {value!r}.")
-  scale = jnp.asarray(value)
-  if not jnp.issubdtype(scale.dtype, jnp.floating):
-    if not jnp.issubdtype(scale.dtype, jnp.integer):
-      raise TypeError(f"{name} must be a real number or floating array, got dtype {scale.dtype}.")
-    if warn_integer:
-      # jmp's wording, so that filters written for jmp's warning still match.
-      warnings.warn(
-        f"Expected floating type for {name}, got {scale.dtype}; it is converted to float32. "
-        f"Pass a float (2.0 ** 15, or jnp.float32(2 ** 15)) to keep this dtype explicit.",
-        stacklevel=4,  # _as_scale <- __post_init__ <- __init__ <- the caller
-      )
-    scale = scale.astype(jnp.float32)
-  # A weakly typed scale would change type after the first adjust() and force
-  # jit to retrace; an explicit dtype makes it strong.
-  scale = jnp.asarray(scale, dtype=scale.dtype)
-  if scale.shape != ():
-    raise ValueError(f"{name} must be a scalar, got shape {scale.shape}.")
-  if _is_concrete(scale) and not (np.isfinite(float(scale)) and float(scale) > 0):
-    raise ValueError(f"{name} must be positive and finite, got {float(scale)}.")
-  return scale
-
-
-def _as_bound(value: Any, name: str, dtype: np.dtype) -> float:
-  """Converts a static bound to a Python float representable in ``dtype``."""
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(
-      f"{name} is static configuration and must be a concrete number, got a "
-      "traced value; build the loss scale outside jit or pass a Python float."
-    )
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
-  ):
-    raise TypeError(f"{name} must be a positive number, got {value!r}.")
-  bound = float(np.asarray(value))
-  with np.errstate(over="ignore"):
-    rounded = float(np.asarray(bound, dtype=dtype))
-  if not (math.isfinite(bound) and bound > 0):
-    raise ValueError(f"{name} must be positive and finite, got {bound}.")
-  if not (math.isfinite(rounded) and rounded > 0):
-    raise ValueError(
-      f"{name}={bound} is not representable in the loss scale's dtype "
-      f"{np.dtype(dtype).name} (it rounds to {rounded})."
-    )
-  return bound
-
-
-def _check_int(value: Any, name: str, minimum: int) -> int:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral)):
-    raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}.")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-  return int(value)
-
-
-def _check_predicate(pred: Any, name: str) -> jax.Array:
-  """A boolean scalar, checked at trace time (works on tracers)."""
-  pred = jnp.asarray(pred)
-  if pred.dtype != jnp.bool_:
-    raise TypeError(f"{name} must be a boolean scalar, got dtype {pred.dtype}.")
-  if pred.shape != ():
-    raise ValueError(f"{name} must be a boolean scalar, got shape {pred.shape}.")
-  return pred
 
 
 @runtime_checkable
@@ -186,7 +66,7 @@ class LossScale(Protocol):
   """Whether every gradient carries the one scale ``loss_scale``."""
 
   @property
-  def loss_scale(self) -> jax.Array:
+  def loss_scale(self) -> jax.Array | np.ndarray:
     """The factor the loss is multiplied by (a scalar)."""
     ...
 
@@ -314,7 +194,7 @@ class NoOpLossScale(_UniformScale):
     return tree
 
   def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
-    _check_predicate(grads_finite, "grads_finite")
+    _validation.check_predicate(grads_finite, "grads_finite")
     return self
 
 
@@ -338,7 +218,7 @@ class StaticLossScale(_UniformScale):
   loss_scale: jax.Array
 
   def __post_init__(self):
-    object.__setattr__(self, "loss_scale", _as_scale(self.loss_scale, "loss_scale"))
+    object.__setattr__(self, "loss_scale", _validation.as_scale(self.loss_scale, "loss_scale"))
 
   @property
   def at_minimum(self) -> jax.Array:
@@ -351,7 +231,7 @@ class StaticLossScale(_UniformScale):
     return _tree_util.unscale_tree(tree, self.loss_scale)
 
   def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
-    _check_predicate(grads_finite, "grads_finite")
+    _validation.check_predicate(grads_finite, "grads_finite")
     return self
 
 
@@ -409,25 +289,27 @@ class DynamicLossScale(_UniformScale):
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
-    scale = _as_scale(self.loss_scale, "loss_scale", warn_integer=True)
+    scale = _validation.as_scale(self.loss_scale, "loss_scale", warn_integer=True)
     set_("loss_scale", scale)
     period = self.period
     if isinstance(period, (float, np.floating)) and float(period).is_integer():
       period = int(period)  # jmp accepts period=2000.0; 2000.5 still raises below
-    set_("period", _check_int(period, "period", 1))
-    set_("hysteresis", _check_int(self.hysteresis, "hysteresis", 1))
+    set_("period", _validation.check_int(period, "period", 1))
+    set_("hysteresis", _validation.check_int(self.hysteresis, "hysteresis", 1))
     if isinstance(self.factor, (bool, np.bool_)) or not isinstance(self.factor, numbers.Real):
       raise TypeError(f"factor must be a real number > 1, got {self.factor!r}.")
     if not (math.isfinite(self.factor) and self.factor > 1):
       raise ValueError(f"factor must be finite and > 1, got {self.factor}.")
-    low = _as_bound(self.min_loss_scale, "min_loss_scale", scale.dtype)
+    low = _validation.as_bound(self.min_loss_scale, "min_loss_scale", scale.dtype)
     set_("min_loss_scale", low)
     if self.max_loss_scale is not None:
-      high = _as_bound(self.max_loss_scale, "max_loss_scale", scale.dtype)
+      high = _validation.as_bound(self.max_loss_scale, "max_loss_scale", scale.dtype)
       if high < low:
         raise ValueError(f"max_loss_scale={high} is below min_loss_scale={low}.")
       set_("max_loss_scale", high)
-    if _is_concrete(scale) and not (low <= float(scale) <= (self.max_loss_scale or math.inf)):
+    if _validation.is_concrete(scale) and not (
+      low <= float(scale) <= (self.max_loss_scale or math.inf)
+    ):
       raise ValueError(
         f"loss_scale={float(scale)} is outside [min_loss_scale, max_loss_scale]"
         f" = [{low}, {self.max_loss_scale}]."
@@ -443,7 +325,7 @@ class DynamicLossScale(_UniformScale):
     if not jnp.issubdtype(count.dtype, jnp.integer) or count.shape != ():
       raise TypeError(f"{name} must be an integer scalar, got {value!r}.")
     count = jnp.asarray(count, jnp.int32)
-    if _is_concrete(count) and not 0 <= int(count) <= largest:
+    if _validation.is_concrete(count) and not 0 <= int(count) <= largest:
       raise ValueError(f"{name} must be in [0, {largest}], got {int(count)}.")
     return count
 
@@ -459,7 +341,7 @@ class DynamicLossScale(_UniformScale):
 
   def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
     """Returns the next state given whether this step's gradients were finite."""
-    finite = _check_predicate(grads_finite, "grads_finite")
+    finite = _validation.check_predicate(grads_finite, "grads_finite")
     scale = self.loss_scale
 
     grown = scale * self.factor
@@ -471,7 +353,7 @@ class DynamicLossScale(_UniformScale):
     shrink = ~finite & (streak >= self.hysteresis)
     shrunk = jnp.maximum(scale / self.factor, jnp.asarray(self.min_loss_scale, scale.dtype))
 
-    return _replace(
+    return _tree_util.replace_fields(
       self,
       loss_scale=jnp.where(finite, jnp.where(grow, grown, scale), jnp.where(shrink, shrunk, scale)),
       counter=jnp.where(finite, (self.counter + 1) % self.period, 0),
@@ -479,9 +361,9 @@ class DynamicLossScale(_UniformScale):
     )
 
 
-_register(NoOpLossScale, (), ())
-_register(StaticLossScale, ("loss_scale",), ())
-_register(
+_tree_util.register_dataclass(NoOpLossScale, (), ())
+_tree_util.register_dataclass(StaticLossScale, ("loss_scale",), ())
+_tree_util.register_dataclass(
   DynamicLossScale,
   ("loss_scale", "counter", "overflow_streak"),
   ("period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"),
@@ -535,5 +417,5 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   >>> select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"].tolist()
   [0.0, 0.0]
   """
-  pred = _check_predicate(pred, "pred")
+  pred = _validation.check_predicate(pred, "pred")
   return jax.tree_util.tree_map(lambda x, y: lax.select(pred, jnp.asarray(x), jnp.asarray(y)), a, b)

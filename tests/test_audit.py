@@ -559,7 +559,7 @@ class FlaxExamplesCNN(nn.Module):
     return nn.Dense(2, dtype=self.dtype)(x)  # <fp32-head>
 
 
-@pytest.mark.filterwarnings("ignore:policy_apply")  # linen's own warning about explicit dtypes
+@pytest.mark.filterwarnings("ignore::jmp_lite.flax.ExplicitDtypeWarning")
 def test_fp32_matmuls_under_a_16_bit_policy():
   x = jnp.ones((2, 4, 4, 1))
   expected = [
@@ -567,8 +567,8 @@ def test_fp32_matmuls_under_a_16_bit_policy():
     ("dot_general", "FlaxExamplesCNN/Dense_0", line_of("fp32-dense"), 64),
     ("dot_general", "FlaxExamplesCNN/Dense_1", line_of("fp32-head"), 8),
   ]
-  # Given explicitly: the function policy_apply returns does not carry its policy (yet).
-  config = AuditConfig(compute_dtype="bfloat16")
+  # No config: the audit reads the compute dtype from the function policy_apply returns.
+  config = AuditConfig()
   for dtype, wanted in [(F32, expected), (None, [])]:  # None: Flax's default follows the policy
     model = FlaxExamplesCNN(dtype)
     variables = jax.eval_shape(model.init, jax.random.key(0), x)

@@ -275,7 +275,9 @@ def test_layerwise_scale_collapses_when_a_stage_sits_at_its_minimum():
   tx = loss_scaling(optax.sgd(0.1), scale)
   params = {"a": jnp.ones(2), "b": jnp.ones(2)}
   state, monitor = tx.init(params), diag.LossScaleMonitor.create(window=4)
-  nan = {"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}
+  # What the layer-wise value-and-grad returns when stage 0's gradient is NaN.
+  no_boundary = jl.BoundaryStats(jnp.zeros(1), jnp.zeros((1, jl.layerwise.HIST_BINS)))
+  nan = jl.LayerwiseGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
 
   @jax.jit
   def step(state, monitor):

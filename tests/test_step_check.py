@@ -67,6 +67,9 @@ def test_clipping_before_loss_scaling_is_reported():
   tx = optax.chain(optax.clip_by_global_norm(0.1), jl.loss_scaling(optax.sgd(0.1), SCALE))
   with pytest.raises(ValueError, match="a transformation before loss_scaling"):
     jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), X, Y)
+  # Differentiated by hand, the scaled gradients are not seen: both causes are named.
+  with pytest.raises(ValueError, match=r"unscaled loss .* or a transformation before"):
+    jl.check_loss_scaling(make_step(tx, by_hand), PARAMS, tx.init(PARAMS), X, Y)
 
 
 def test_layerwise_step_passes():
@@ -127,6 +130,10 @@ def test_what_cannot_be_checked_is_refused():
   # With a scale of 1 scaled and unscaled gradients coincide: nothing to check.
   noop = jl.loss_scaling(optax.sgd(0.1), jl.NoOpLossScale())
   jl.check_loss_scaling(make_step(noop, unscaled), PARAMS, noop.init(PARAMS), X, Y)
+  # A dynamic scale that backed off to 1 can grow again: its wiring is still checked.
+  at_one = jl.loss_scaling(optax.sgd(0.1), jl.DynamicLossScale(jnp.float32(1.0)))
+  with pytest.raises(ValueError, match="unscaled loss"):
+    jl.check_loss_scaling(make_step(at_one, unscaled), PARAMS, at_one.init(PARAMS), X, Y)
 
 
 def test_nnx_optimizer_steps():

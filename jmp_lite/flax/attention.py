@@ -58,6 +58,8 @@ from jmp_lite.flax import accumulate
 def softmax(logits: jax.Array, axis: int = -1, where: jax.Array | None = None) -> jax.Array:
   """Softmax computed in fp32, returned (and saved for backward) in ``logits.dtype``.
 
+  Reverse-mode differentiable; not forward-mode (a :func:`jax.custom_vjp`).
+
   Args:
     logits: the scores; for fp32 (or wider) logits and no fully masked row this
       is :func:`jax.nn.softmax`.
@@ -75,8 +77,6 @@ def softmax(logits: jax.Array, axis: int = -1, where: jax.Array | None = None) -
 
   Raises:
     ValueError: if ``where`` does not broadcast to ``logits``' shape.
-
-  Reverse-mode differentiable; not forward-mode (a :func:`jax.custom_vjp`).
   """
   if where is not None:
     where = jnp.asarray(where, jnp.bool_)

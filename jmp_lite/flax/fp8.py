@@ -23,9 +23,10 @@ the ``"fp8_amax"`` collection::
   def loss_fn(params, amax):
     with linen_fp8(config, loss_scale=loss_scale):
       y = model.apply({"params": params, "fp8_state": fp8_state, "fp8_amax": amax}, x)
-    return loss_scale.scale(loss(y))
+    return loss(y)
 
-  grads, amax = jax.grad(loss_fn, argnums=(0, 1))(params, fp8.zeros_amax(fp8_state))
+  _, (grads, amax) = jl.scaled_value_and_grad(loss_fn, loss_scale, argnums=(0, 1))(
+      params, fp8.zeros_amax(fp8_state))
   fp8_state = fp8.update(fp8_state, amax, config)
 
 Layers whose user already set ``dot_general``/``dot_general_cls`` keep it. The

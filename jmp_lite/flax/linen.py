@@ -212,8 +212,8 @@ def policy_apply(
       and is named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning`, once
       per trace; see ``explicit_dtypes``).
     policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides, use_default_overrides, fp32_accumulation, fp32_softmax,
-      explicit_dtypes: see :class:`~jmp_lite.flax.ModulePolicies`.
+    overrides, use_default_overrides, fp32_accumulation, fp32_softmax, explicit_dtypes: see
+      :class:`~jmp_lite.flax.ModulePolicies`.
 
   Example::
 
@@ -300,6 +300,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
         out = (result, FrozenDict(updated) if isinstance(out[1], FrozenDict) else updated)
     return out
 
+  apply_fn.policy = policies.policy  # type: ignore[attr-defined]  # read by jl.audit
   return apply_fn
 
 

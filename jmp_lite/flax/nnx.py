@@ -150,8 +150,8 @@ def policy_view(
       named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning` when the view
       is built; see ``explicit_dtypes``).
     policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides, use_default_overrides, fp32_accumulation, fp32_softmax,
-      explicit_dtypes: see :class:`~jmp_lite.flax.ModulePolicies`.
+    overrides, use_default_overrides, fp32_accumulation, fp32_softmax, explicit_dtypes: see
+      :class:`~jmp_lite.flax.ModulePolicies`.
 
   Returns:
     A :class:`PolicyModule` wrapping the low-precision copy of ``model``;

@@ -29,6 +29,7 @@ import jax
 import optax
 from flax import nnx
 
+from jmp_lite.flax._state import has_loss_scaling
 from jmp_lite.loss_scale import LossScale, NoOpLossScale, select_tree
 from jmp_lite.transform import LossScalingState, get_loss_scaling_state, loss_scaling
 
@@ -47,6 +48,8 @@ class Optimizer(nnx.Optimizer[M]):
       differentiates.
     loss_scale: the initial loss scale, e.g. ``jl.DynamicLossScale(2.0 ** 15)``
       for fp16; ``None`` for none (``tx`` is then used as is).
+    axis_name: under ``shard_map``/``pmap``, the axis whose devices must agree
+      on skipping a step (see :func:`jmp_lite.loss_scaling`).
     graph: as for :class:`flax.nnx.Optimizer`.
   """
 
@@ -57,11 +60,15 @@ class Optimizer(nnx.Optimizer[M]):
     *,
     wrt: Any,
     loss_scale: LossScale | None = None,
+    axis_name: Any = None,
     graph: bool | None = None,
   ):
     if loss_scale is not None:
-      tx = loss_scaling(tx, loss_scale)
+      tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
+    elif axis_name is not None:
+      raise TypeError("axis_name only applies together with loss_scale=...; got loss_scale=None.")
     super().__init__(model, tx, wrt=wrt, graph=graph)
+    self.axis_name = axis_name
 
   @property
   def loss_scaling_state(self) -> LossScalingState:
@@ -122,7 +129,9 @@ class Optimizer(nnx.Optimizer[M]):
       # The same computation as update()'s tx.update, so the two agree exactly
       # (and XLA computes it once when both run in one jit).
       params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-      _, finite, _ = scale.unscale_and_adjust(self._pure_grads(grads), params)
+      _, finite, _ = scale.unscale_and_adjust(
+        self._pure_grads(grads), params, axis_name=self.axis_name
+      )
       nnx.update(model, select_tree(finite, nnx.as_pure(nnx.state(model, written)), before))
       return value, grads
 
@@ -145,11 +154,7 @@ class Optimizer(nnx.Optimizer[M]):
 
   @property
   def _has_loss_scaling(self) -> bool:
-    try:
-      get_loss_scaling_state(nnx.as_pure(self.opt_state))
-    except ValueError:
-      return False
-    return True
+    return has_loss_scaling(nnx.as_pure(self.opt_state))
 
   def _pure_grads(self, grads: Any) -> Any:
     # The wrt gradients as arrays, wherever the loss scale's container holds them.

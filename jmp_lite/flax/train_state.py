@@ -38,6 +38,7 @@ from flax import struct
 from flax.training import train_state
 
 from jmp_lite import dtypes
+from jmp_lite.flax._state import has_loss_scaling
 from jmp_lite.flax.linen import policy_apply
 from jmp_lite.flax.module_policy import ModulePolicy
 from jmp_lite.loss_scale import LossScale, NoOpLossScale
@@ -49,14 +50,6 @@ from jmp_lite.transform import (
   loss_scaling,
   scaled_value_and_grad,
 )
-
-
-def _has_loss_scaling(opt_state: Any) -> bool:
-  try:
-    get_loss_scaling_state(opt_state)
-  except ValueError:
-    return False
-  return True
 
 
 class TrainState(train_state.TrainState):
@@ -137,7 +130,7 @@ class TrainState(train_state.TrainState):
   @property
   def loss_scale(self) -> LossScale:
     """The current loss scale (``NoOpLossScale()`` without loss scaling)."""
-    if not _has_loss_scaling(self.opt_state):
+    if not has_loss_scaling(self.opt_state):
       return NoOpLossScale()
     return get_loss_scale(self.opt_state)
 
@@ -150,7 +143,7 @@ class TrainState(train_state.TrainState):
     kept as they were too, so no NaN reaches the running statistics.
     """
     new = super().apply_gradients(grads=grads, **kwargs)
-    if not kwargs or not _has_loss_scaling(self.opt_state):
+    if not kwargs or not has_loss_scaling(self.opt_state):
       return new
     finite = get_loss_scaling_state(new.opt_state).last_finite
     kept = {

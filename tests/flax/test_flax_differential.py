@@ -8,10 +8,10 @@
   one substituted or overridden layer is within 5% (norm of the difference over the norm of the
   reference) of plain Flax in fp32.
 
-Compiling dominates the run time on 2 cores, so hypothesis draws data, masks and shapes from
-small sets, and the static options (mask rank, causal, dropout, with or without a mask) are
-enumerated inside one jitted function rather than drawn: one compile serves every example of
-a shape.
+Compiling dominates the run time on 2 cores, so shapes come from small fixed sets that every
+example runs (hypothesis draws the data, the masks, which rows are fully masked), and the static
+options (mask rank, causal, dropout, with or without a mask or bias) are enumerated inside one
+jitted function rather than drawn: one compile serves every example.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ def _normal(rng, shape, dtype=F32):
 
 
 def _masked_out(draw, shape):
-  """Booleans of ``shape``, each False with a drawn probability, some rows all False."""
-  n = int(np.prod(shape))
-  bits = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
-  keep = draw(st.lists(st.booleans(), min_size=n, max_size=n))  # a second draw: ~75% kept
-  mask = (bits | np.array(keep, bool)).reshape(shape)
+  """A mask of ``shape`` (True = attend): the rows hypothesis picks are fully masked, the
+  others have entries masked with a drawn probability (random bits from a drawn seed)."""
+  rng = np.random.default_rng(draw(seeds))
+  mask = rng.random(shape) >= draw(st.sampled_from([0.0, 0.3, 0.6]))
   rows = int(np.prod(shape[:-1]))
   dead = np.array(draw(st.lists(st.booleans(), min_size=rows, max_size=rows)), bool)
   return mask & ~dead.reshape((*shape[:-1], 1))
@@ -145,7 +144,6 @@ def _softmax_variants(x, ct, full, row, column, full0):
         _flax_softmax(xf, axis, where),
         jax_ref(xf, axis, where),
         jax.grad(loss(jax_ref))(xf),
-        jax.grad(loss(_flax_softmax))(xf),
       )
       live = (
         jnp.ones_like(xf, bool)
@@ -156,59 +154,62 @@ def _softmax_variants(x, ct, full, row, column, full0):
   return results
 
 
-_softmax_diff = jit(_softmax_variants)
+@jit
+def _softmax_diff(cases):
+  return [_softmax_variants(*case) for case in cases]
+
+
+SOFTMAX_SHAPES = [(3, 5), (2, 3, 1)]
+
+
+def _softmax_case(draw, rng, shape):
+  x, ct = 2 * _normal(rng, shape), _normal(rng, shape)
+  full = _masked_out(draw, shape)
+  row = np.array(draw(st.lists(st.booleans(), min_size=shape[-1], max_size=shape[-1])), bool)
+  column = draw(st.lists(st.booleans(), min_size=shape[0], max_size=shape[0]))
+  column = np.array(column, bool).reshape((shape[0],) + (1,) * (len(shape) - 1))
+  full0 = np.moveaxis(_masked_out(draw, shape[1:] + shape[:1]), -1, 0)
+  return x, ct, full, row, column, full0
 
 
 @settings(max_examples=10, deadline=None)
-@given(data=st.data(), shape=st.sampled_from([(3, 5), (2, 3, 1)]), seed=seeds)
-def test_softmax_matches_jax(data, shape, seed):
+@given(data=st.data(), seed=seeds)
+def test_softmax_matches_jax(data, seed):
   rng = np.random.default_rng(seed)
-  x, ct = 2 * _normal(rng, shape), _normal(rng, shape)
-  full = _masked_out(data.draw, shape)
-  row = data.draw(st.lists(st.booleans(), min_size=shape[-1], max_size=shape[-1]))
-  column = data.draw(st.lists(st.booleans(), min_size=shape[0], max_size=shape[0]))
-  column = np.array(column, bool).reshape((shape[0],) + (1,) * (len(shape) - 2) + (1,))
-  full0 = np.moveaxis(_masked_out(data.draw, shape[1:] + shape[:1]), -1, 0)
-  results = _softmax_diff(x, ct, full, np.array(row, bool), column, full0)
-  for (name, dtype), (
-    (out, grad),
-    (flax_out, jax_out, jax_grad, flax_grad),
-    live,
-  ) in results.items():
-    live = np.asarray(live)
-    msg = f"variant {name}, {dtype}"
-    assert out.dtype == dtype and grad.dtype == dtype, msg
-    out, grad = np.asarray(out, F32), np.asarray(grad, F32)
-    # Masked rows' gradients are exactly 0, as with jax.nn.softmax(where=) and Flax.
-    np.testing.assert_array_equal(grad[~live], 0.0, err_msg=msg)
-    np.testing.assert_array_equal(np.asarray(jax_grad)[~live], 0.0, err_msg=msg)
-    if dtype == "float32":
-      # The output is Flax's (uniform where fully masked), jax.nn.softmax's where any entry is not.
-      np.testing.assert_allclose(out, flax_out, **FP32_TOL, err_msg=msg)
-      np.testing.assert_allclose(out[live], np.asarray(jax_out)[live], **FP32_TOL, err_msg=msg)
-      np.testing.assert_allclose(grad, jax_grad, **FP32_TOL, err_msg=msg)
-      np.testing.assert_allclose(grad, flax_grad, **FP32_TOL, err_msg=msg)
-    else:  # fp32 inside, rounded once; the backward pass from the 16-bit probabilities
-      want = np.asarray(np.asarray(flax_out).astype(BF16), F32)
-      np.testing.assert_array_equal(out, want, err_msg=msg)
-      # |dz| <= |dp| max: a few bf16 roundings (2^-9) of p, the cotangent and the result.
-      atol = 2**-6 * float(np.abs(ct).max())
-      np.testing.assert_allclose(grad, jax_grad, rtol=2**-6, atol=atol, err_msg=msg)
+  cases = [_softmax_case(data.draw, rng, shape) for shape in SOFTMAX_SHAPES]
+  for case, results in zip(cases, _softmax_diff(cases), strict=True):
+    ct = case[1]
+    for (name, dtype), ((out, grad), (flax_out, jax_out, jax_grad), live) in results.items():
+      live = np.asarray(live)
+      msg = f"variant {name}, {dtype}, shape {ct.shape}"
+      assert out.dtype == dtype and grad.dtype == dtype, msg
+      out, grad = np.asarray(out, F32), np.asarray(grad, F32)
+      # Masked rows' gradients are exactly 0, as with jax.nn.softmax(where=) and Flax.
+      np.testing.assert_array_equal(grad[~live], 0.0, err_msg=msg)
+      np.testing.assert_array_equal(np.asarray(jax_grad)[~live], 0.0, err_msg=msg)
+      if dtype == "float32":
+        # The output is Flax's (uniform where fully masked), jax.nn.softmax's elsewhere.
+        np.testing.assert_allclose(out, flax_out, **FP32_TOL, err_msg=msg)
+        np.testing.assert_allclose(out[live], np.asarray(jax_out)[live], **FP32_TOL, err_msg=msg)
+        np.testing.assert_allclose(grad, jax_grad, **FP32_TOL, err_msg=msg)
+      else:  # fp32 inside, rounded once; the backward pass from the 16-bit probabilities
+        want = np.asarray(np.asarray(flax_out).astype(BF16), F32)
+        np.testing.assert_array_equal(out, want, err_msg=msg)
+        # |dz| <= |dp| max: a few bf16 roundings (2^-9) of p, the cotangent and the result.
+        atol = 2**-6 * float(np.abs(ct).max())
+        np.testing.assert_allclose(grad, jax_grad, rtol=2**-6, atol=atol, err_msg=msg)
 
 
 # --------------------------------------------------------------------------------------------
 # dot_product_attention against flax.linen.dot_product_attention
 
-# (mask kind, is_causal, dropout (rate, broadcast) or None, bias): the static variants, chosen
-# so that each kind of mask meets causal masking, both dropout layouts and a bias.
+# (mask kind, is_causal, dropout (rate, broadcast) or None, bias): the static variants; together
+# they cover no mask and each kind of mask, causal masking, both dropout layouts and a bias.
 ATTENTION_VARIANTS = (
   (None, False, None, False),
   ("padding", True, (0.3, True), True),  # [batch, 1, 1, kv]
-  ("full", False, (0.3, False), True),  # [batch, heads, q, kv], fully masked rows included
-  ("rows", True, None, True),  # [batch, 1, q, 1]: whole rows masked
-  ("padding", False, None, False),
-  ("full", True, (0.5, True), False),
-  (None, True, (0.3, False), True),
+  ("full", False, (0.5, False), True),  # [batch, heads, q, kv], fully masked rows included
+  ("rows", True, None, False),  # [batch, 1, q, 1]: whole rows masked
 )
 # (batch, q_len, kv_len, heads, kv_heads, depth)
 ATTENTION_SHAPES = [(2, 3, 4, 2, 2, 4), (1, 1, 3, 4, 2, 2)]
@@ -252,33 +253,40 @@ def _attention_variants(q, k, v, bias, masks, ct, dropout_rng):
   return results
 
 
-_attention_diff = jit(_attention_variants)
+@jit
+def _attention_diff(cases):
+  return [_attention_variants(*case) for case in cases]
 
 
-@settings(max_examples=10, deadline=None)
-@given(data=st.data(), shape=st.sampled_from(ATTENTION_SHAPES), seed=seeds)
-def test_dot_product_attention_matches_flax(data, shape, seed):
+def _attention_case(draw, rng, shape):
   batch, q_len, kv_len, heads, kv_heads, depth = shape
-  rng = np.random.default_rng(seed)
   q, ct = _normal(rng, (batch, q_len, heads, depth)), _normal(rng, (batch, q_len, heads, depth))
   k, v = (_normal(rng, (batch, kv_len, kv_heads, depth)) for _ in range(2))
   bias = _normal(rng, (1, heads, q_len, kv_len))
-  padding = data.draw(st.lists(st.booleans(), min_size=batch * kv_len, max_size=batch * kv_len))
-  rows = data.draw(st.lists(st.booleans(), min_size=batch * q_len, max_size=batch * q_len))
+  padding = draw(st.lists(st.booleans(), min_size=batch * kv_len, max_size=batch * kv_len))
+  rows = draw(st.lists(st.booleans(), min_size=batch * q_len, max_size=batch * q_len))
   masks = {
     # A sequence that is all padding has only fully masked rows.
     "padding": np.array(padding, bool).reshape(batch, 1, 1, kv_len),
-    "full": _masked_out(data.draw, (batch, heads, q_len, kv_len)),
+    "full": _masked_out(draw, (batch, heads, q_len, kv_len)),
     "rows": np.array(rows, bool).reshape(batch, 1, q_len, 1),
   }
-  results = _attention_diff(q, k, v, bias, masks, ct, jax.random.key(seed))
-  for variant, ((out, grads), (ref_out, ref_grads)) in zip(
-    ATTENTION_VARIANTS, results, strict=True
-  ):
-    msg = f"variant {variant}"
-    np.testing.assert_allclose(out, ref_out, **FP32_TOL, err_msg=msg)
-    for name, g, r in zip("qkvb", grads, ref_grads, strict=False):
-      np.testing.assert_allclose(g, r, **FP32_TOL, err_msg=f"{msg}, d{name}")
+  return q, k, v, bias, masks, ct, jax.random.key(int(rng.integers(2**31)))
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), seed=seeds)
+def test_dot_product_attention_matches_flax(data, seed):
+  rng = np.random.default_rng(seed)
+  cases = [_attention_case(data.draw, rng, shape) for shape in ATTENTION_SHAPES]
+  for shape, results in zip(ATTENTION_SHAPES, _attention_diff(cases), strict=True):
+    for variant, ((out, grads), (ref_out, ref_grads)) in zip(
+      ATTENTION_VARIANTS, results, strict=True
+    ):
+      msg = f"variant {variant}, shape {shape}"
+      np.testing.assert_allclose(out, ref_out, **FP32_TOL, err_msg=msg)
+      for name, g, r in zip("qkvb", grads, ref_grads, strict=False):
+        np.testing.assert_allclose(g, r, **FP32_TOL, err_msg=f"{msg}, d{name}")
 
 
 # (dtype, broadcast_dropout, kv_heads)
@@ -450,7 +458,7 @@ def _kernels_diff(operands, cts, problems):
   return results
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
   problems=st.tuples(dot_problems(), conv_problems(), einsum_problems()),
   dtypes=st.tuples(*[st.sampled_from([F32, BF16, F16])] * 3),
@@ -486,7 +494,8 @@ def test_dot_general_conv_and_einsum_match_lax(problems, dtypes, seed):
 
 
 class _Around(nn.Module):
-  """``layer`` between two dense layers, so that it sees and returns bf16 activations."""
+  """``layer`` between two ``nn.Dense`` layers, so that it sees and returns bf16 activations
+  (and every model checks Dense, whose ``dot_general`` the policy replaces, too)."""
 
   layer: nn.Module
   features: int = 8
@@ -501,7 +510,6 @@ class _Around(nn.Module):
 
 # name: (model, input shape, input kind, mutable collections)
 MODULES = {
-  "Dense": (_Around(nn.Dense(8)), (2, 5), "float", ()),
   "LayerNorm": (_Around(nn.LayerNorm()), (2, 3, 5), "float", ()),
   "RMSNorm": (_Around(nn.RMSNorm()), (2, 3, 5), "float", ()),
   "GroupNorm": (_Around(nn.GroupNorm(num_groups=2)), (2, 3, 5), "float", ()),
@@ -537,6 +545,16 @@ def _host_variables(rng, model, *args):
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
+def _cotangent(rng, shape):
+  """The output cotangent: 1 + N(0, 1).
+
+  Bias gradients are sums over positions; with a zero-mean cotangent they cancel, and a
+  relative error then measures the cancellation (and JAX's 16-bit sum in the transpose of
+  the bias broadcast, which is not jmp_lite's) more than the policy.
+  """
+  return 1 + _normal(rng, shape)
+
+
 @functools.cache
 def _output_shape(name):
   model, shape, kind, _ = MODULES[name]
@@ -566,16 +584,16 @@ def _modules_diff(variables, inputs, cts):
 
 
 @settings(max_examples=4, deadline=None)
-@given(seed=seeds, offset=st.sampled_from([0.0, 1.5]), scale=st.sampled_from([0.5, 4.0]))
-def test_policy_apply_modules_match_fp32_flax(seed, offset, scale):
+@given(seed=seeds, scale=st.sampled_from([0.5, 2.0]))
+def test_policy_apply_modules_match_fp32_flax(seed, scale):
   rng = np.random.default_rng(seed)
   inputs, cts, variables = {}, {}, {}
   for name, (model, shape, kind, _) in MODULES.items():
     if kind == "tokens":  # few distinct tokens: the scatter-add adds many rows into each
       inputs[name] = rng.integers(0, 3, shape).astype(np.int32)
     else:
-      inputs[name] = (offset + scale * _normal(rng, shape)).astype(F32)
-    cts[name] = _normal(rng, _output_shape(name))
+      inputs[name] = scale * _normal(rng, shape)
+    cts[name] = _cotangent(rng, _output_shape(name))
     variables[name] = _host_variables(rng, model, inputs[name])
   results = _modules_diff(variables, inputs, cts)
   for name, ((grads, (out, state)), (ref_grads, (ref_out, ref_state))) in results.items():
@@ -608,18 +626,17 @@ ATTENTION_MODULE_VARIANTS = (
   ("causal", 0.3, True),
   ("full", 0.3, False),
 )
-ATTENTION_MODULE_SHAPE = (2, 4, 6)  # batch, length, features
+ATTENTION_MODULE_SHAPE = (2, 8, 8)  # batch, length, features
 
 
 def _attention_module_run(variables, x, masks, ct, dropout_rng):
   results = []
   for kind, rate, broadcast in ATTENTION_MODULE_VARIANTS:
     model = _SelfAttention(rate, broadcast)
-    mask = None if kind is None else masks[kind]
     pair = []
     for apply in (jlf.policy_apply(model, POLICY), model.apply):
 
-      def loss(params, x, apply=apply, mask=mask):
+      def loss(params, x, apply=apply, mask=masks[kind]):
         out = apply({"params": params}, x, mask, rngs={"dropout": dropout_rng})
         return jnp.sum(out.astype(F32) * ct)
 
@@ -629,6 +646,18 @@ def _attention_module_run(variables, x, masks, ct, dropout_rng):
 
 
 _attention_module_diff = jit(_attention_module_run)
+_KEY_BIAS = "[0]['MultiHeadDotProductAttention_0']['key']['bias']"
+
+
+def _attention_errors(grads, ref_grads):
+  """leaf_rel_errors without the key bias, whose gradient is 0 but for rounding.
+
+  The key bias adds the same q.b to a whole row of logits, which the softmax ignores, so its
+  gradient is rounding noise (in fp32 too) and no relative error applies to it.
+  """
+  errors = leaf_rel_errors(grads, ref_grads)
+  del errors[_KEY_BIAS]
+  return errors
 
 
 @settings(max_examples=6, deadline=None)
@@ -636,7 +665,9 @@ _attention_module_diff = jit(_attention_module_run)
 def test_policy_apply_attention_matches_fp32_flax(data, seed):
   batch, length, _ = ATTENTION_MODULE_SHAPE
   rng = np.random.default_rng(seed)
-  x, ct = 2 * _normal(rng, ATTENTION_MODULE_SHAPE), _normal(rng, ATTENTION_MODULE_SHAPE)
+  # Moderate logits: saturated rows (p nearly one-hot) leave query and key gradients that
+  # are mostly cancellation, where any rounding, even fp32's, is a large relative error.
+  x, ct = _normal(rng, ATTENTION_MODULE_SHAPE), _cotangent(rng, ATTENTION_MODULE_SHAPE)
   variables = _host_variables(rng, _SelfAttention(), x, None)
   padding = data.draw(st.lists(st.booleans(), min_size=batch * length, max_size=batch * length))
   padding = np.array(padding, bool).reshape(batch, length)  # may pad a whole sequence
@@ -650,20 +681,17 @@ def test_policy_apply_attention_matches_fp32_flax(data, seed):
   key = jax.random.key(seed)
   results = _attention_module_diff(variables, x, masks, ct, key)
   for variant, (grads, ref_grads) in zip(ATTENTION_MODULE_VARIANTS, results, strict=True):
-    errors = leaf_rel_errors(grads, ref_grads)
-    assert len(errors) == 9, errors  # q, k, v, out: kernel and bias; the input
-    # The key bias adds the same q.b to a whole row of logits, which the softmax ignores:
-    # its gradient is 0 but for rounding (in fp32 too), so no relative error applies. It
-    # must be small next to the key kernel's, computed from the same key gradients.
+    errors = _attention_errors(grads, ref_grads)
+    assert len(errors) == 8, errors  # q, k, v, out: kernels and biases (but k's); the input
+    assert max(errors.values()) <= 0.05, (variant, errors)
+    # The key bias gradient: small next to the key kernel's, made from the same key gradients.
     key_grads = [g["MultiHeadDotProductAttention_0"]["key"] for g in (grads[0], ref_grads[0])]
     bias_norm = np.linalg.norm(key_grads[0]["bias"])
     assert bias_norm <= 0.05 * np.linalg.norm(key_grads[1]["kernel"]), (variant, bias_norm)
-    del errors["[0]['MultiHeadDotProductAttention_0']['key']['bias']"]
-    assert max(errors.values()) <= 0.05, (variant, errors)
   # Dropout with another key is far off: the tolerance would catch a different dropout pattern.
   other = _attention_module_diff(variables, x, masks, ct, jax.random.key(seed + 1))
   for (kind, rate, _), (grads, _), (_, ref_grads) in zip(
     ATTENTION_MODULE_VARIANTS, results, other, strict=True
   ):
     if rate > 0:
-      assert max(leaf_rel_errors(grads, ref_grads).values()) > 0.2, kind
+      assert max(_attention_errors(grads, ref_grads).values()) > 0.2, kind
