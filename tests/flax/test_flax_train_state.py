@@ -64,6 +64,17 @@ class StateWithStats(jlf.TrainState):
   batch_stats: Any = None
 
 
+def _bn_step(state, x):
+  def loss_fn(params):
+    logits, new = state.apply_fn(
+      {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+    )
+    return jnp.mean(logits**2), new["batch_stats"]
+
+  (loss, stats), grads = state.value_and_grad(loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads, batch_stats=stats), loss
+
+
 def test_subclass_with_batch_stats_and_no_loss_scaling():
   model, x = LinenConvNet(), images()
   variables = jit(model.init)(jax.random.key(0), x)
@@ -78,18 +89,7 @@ def test_subclass_with_batch_stats_and_no_loss_scaling():
   with pytest.raises(ValueError, match="loss_scaling"):
     state.loss_scaling_state  # noqa: B018
 
-  @jit
-  def step(state):
-    def loss_fn(params):
-      logits, new = state.apply_fn(
-        {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
-      )
-      return jnp.mean(logits**2), new["batch_stats"]
-
-    (loss, stats), grads = state.value_and_grad(loss_fn, has_aux=True)(state.params)
-    return state.apply_gradients(grads=grads, batch_stats=stats), loss
-
-  new, loss = step(state)
+  new, loss = jit(_bn_step)(state, x)
   assert loss.dtype == F32
   assert {v.dtype for v in jax.tree.leaves((new.params, new.batch_stats))} == {F32}
   assert not np.allclose(
@@ -124,17 +124,6 @@ def test_create_rejects_inconsistent_arguments(kwargs, match):
 
 class StateWithRequiredStats(jlf.TrainState):
   batch_stats: Any  # no default, as with Flax's own TrainState
-
-
-def _bn_step(state, x):
-  def loss_fn(params):
-    logits, new = state.apply_fn(
-      {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
-    )
-    return jnp.mean(logits**2), new["batch_stats"]
-
-  (loss, stats), grads = state.value_and_grad(loss_fn, has_aux=True)(state.params)
-  return state.apply_gradients(grads=grads, batch_stats=stats), loss
 
 
 def test_a_skipped_step_keeps_batch_stats():
