@@ -367,7 +367,7 @@ class LayerwiseLossScale:
       set_("initial_scale", initial)
     k = self.num_stages
     initial_state = {
-      "scales": lambda: np.clip(initial, low, high),
+      "scales": lambda: np.clip(initial, low, high).astype(np.float32),
       # The first step computes statistics, so the second already uses them.
       "steps_since_refresh": lambda: np.asarray(self.update_period - 1, np.int32),
       "amax_history": lambda: np.zeros((self.amax_history_length, k), np.float32),
