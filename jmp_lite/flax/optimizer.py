@@ -127,7 +127,7 @@ class Optimizer(nnx.Optimizer[M]):
       if not jax.tree.leaves(before):
         return value, grads
       # The same computation as update()'s tx.update, so the two agree exactly
-      # (and XLA computes it once when both run in one jit).
+      # (in one jit, XLA can share it).
       params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
       _, finite, _ = scale.unscale_and_adjust(
         self._pure_grads(grads), params, axis_name=self.axis_name
