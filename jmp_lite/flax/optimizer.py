@@ -127,7 +127,7 @@ class Optimizer(nnx.Optimizer[M]):
       if not jax.tree.leaves(before):
         return value, grads
       # The same computation as update()'s tx.update, so the two agree exactly
-      # (in one jit, XLA can share it).
+      # (in one jit XLA computes it once: the optimized HLO has no extra reduction).
       params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
       _, finite, _ = scale.unscale_and_adjust(
         self._pure_grads(grads), params, axis_name=self.axis_name

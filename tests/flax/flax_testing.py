@@ -9,6 +9,7 @@ outside.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 
 import flax.linen as nn
@@ -18,6 +19,8 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.extend import core as jex_core
+
+import jmp_lite.flax as jlf
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -219,3 +222,11 @@ def leaf_rel_errors(ours, ref) -> dict[str, float]:
     num, den = float(np.linalg.norm(o - r)), float(np.linalg.norm(r))
     errors[jax.tree_util.keystr(path)] = num / den if den else (0.0 if num == 0 else np.inf)
   return errors
+
+
+def explicit_dtype_warnings(fn, *args) -> list[str]:
+  """The messages of the ExplicitDtypeWarnings ``fn(*args)`` issues, every one counted."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")  # no deduplication
+    fn(*args)
+  return [str(w.message) for w in caught if w.category is jlf.ExplicitDtypeWarning]

@@ -1,5 +1,4 @@
 import functools
-import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -17,6 +16,7 @@ from flax_testing import (
   check_fp32_accumulation,
   check_hlo_fp32_accumulation,
   eqns,
+  explicit_dtype_warnings,
   images,
   in_dtypes,
   jit,
@@ -416,43 +416,36 @@ EXPLICIT = ("(the model) (ExamplesModel", "block (ExamplesBlock", "block/Dense_0
             "block/Dense_1 (Dense", "head (Dense")  # fmt: skip
 
 
-def _explicit_dtype_warnings(fn, *args) -> list[str]:
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")  # count every warning: no deduplication
-    fn(*args)
-  return [str(w.message) for w in caught if w.category is jlf.ExplicitDtypeWarning]
-
-
 def test_explicit_module_dtypes_are_kept_and_named_once_per_trace():
   model, x = ExamplesModel(), jnp.ones((2, 4))
   variables = jit(model.init)(jax.random.key(0), x)
   kept, wins = (jlf.policy_apply(model, POLICY, explicit_dtypes=m) for m in ("warn", "policy"))
   step = jit(lambda v, x: (kept(v, x), wins(v, x), model.apply(v, x)))
   # Inside jit, once per trace: two calls of the compiled step, one warning.
-  messages = _explicit_dtype_warnings(lambda: [step(variables, x) for _ in range(2)])
+  messages = explicit_dtype_warnings(lambda: [step(variables, x) for _ in range(2)])
   assert len(messages) == 1, messages
   assert all(name in messages[0] for name in EXPLICIT), messages[0]
   assert "LayerNorm" not in messages[0] and messages[0].startswith("policy_apply: 5 module(s)")
   assert "explicit_dtypes='policy'" in messages[0] and "drop dtype=" in messages[0]
-  assert len(_explicit_dtype_warnings(step.trace, variables, jnp.ones((3, 4)))) == 1  # retrace
+  assert len(explicit_dtype_warnings(step.trace, variables, jnp.ones((3, 4)))) == 1  # retrace
   # Kept: the model computes as Flax does, every Dense on fp32 operands, its
   # kernel read unrounded (not cast to bf16 and promoted back by Flax's Dense).
   out, out_wins, ref = step(variables, x)
   np.testing.assert_allclose(out, ref, rtol=1e-6)
   jaxpr = jax.make_jaxpr(lambda v: jlf.policy_apply(model, POLICY, explicit_dtypes="keep")(v, x))
-  assert not _explicit_dtype_warnings(jaxpr, variables)  # "keep" is silent
+  assert not explicit_dtype_warnings(jaxpr, variables)  # "keep" is silent
   assert [in_dtypes(e) for e in products(jaxpr(variables))] == [(F32, F32)] * 3
   assert BF16 not in primitive_dtypes(jaxpr(variables), "convert_element_type")
   # "policy": the policy sets the dtypes, silently: bf16 with fp32 accumulation.
-  assert not _explicit_dtype_warnings(jax.make_jaxpr(wins), variables, x)
+  assert not explicit_dtype_warnings(jax.make_jaxpr(wins), variables, x)
   assert check_fp32_accumulation(jax.make_jaxpr(wins)(variables, x)) == 3
   assert 0 < rel_error(out_wins, ref) < 0.05
   # policy_init names them too; the model without dtypes warns about nothing.
   init = jlf.policy_init(model, POLICY)
-  messages = _explicit_dtype_warnings(jax.eval_shape, init, jax.random.key(0), x)
+  messages = explicit_dtype_warnings(jax.eval_shape, init, jax.random.key(0), x)
   assert len(messages) == 1 and messages[0].startswith("policy_init: 5 module(s)")
   plain = jlf.policy_apply(ExamplesModel(dtype=None), POLICY)
-  assert not _explicit_dtype_warnings(jax.make_jaxpr(plain), variables, x)
+  assert not explicit_dtype_warnings(jax.make_jaxpr(plain), variables, x)
   assert check_fp32_accumulation(jax.make_jaxpr(plain)(variables, x)) == 3
 
 

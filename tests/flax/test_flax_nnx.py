@@ -1,5 +1,4 @@
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from flax_testing import (
   check_fp32_accumulation,
   check_hlo_fp32_accumulation,
   eqns,
+  explicit_dtype_warnings,
   images,
   in_dtypes,
   jit,
@@ -274,13 +274,6 @@ class ExamplesModel(nnx.Module):
     return self.head(x + self.layers[1](nnx.relu(self.layers[0](self.norm(x)))))
 
 
-def _explicit_dtype_warnings(fn, *args) -> list[str]:
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")  # count every warning: no deduplication
-    fn(*args)
-  return [str(w.message) for w in caught if w.category is jlf.ExplicitDtypeWarning]
-
-
 def test_explicit_module_dtypes_are_kept_and_named_once_per_trace():
   model, x = ExamplesModel(rngs=nnx.Rngs(0)), jnp.ones((2, 4))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -292,7 +285,7 @@ def test_explicit_module_dtypes_are_kept_and_named_once_per_trace():
 
   step = jit(outputs)
   # The view is built inside the step: one warning per trace, not per call.
-  messages = _explicit_dtype_warnings(lambda: [step(params, x) for _ in range(2)])
+  messages = explicit_dtype_warnings(lambda: [step(params, x) for _ in range(2)])
   assert len(messages) == 1, messages
   assert messages[0].startswith("policy_view: 3 module(s)"), messages[0]
   for name in ("layers/0 (Linear: dtype=float32, policy: bfloat16)", "layers/1 (Linear",
@@ -308,14 +301,14 @@ def test_explicit_module_dtypes_are_kept_and_named_once_per_trace():
   assert [in_dtypes(e) for e in products(jax.make_jaxpr(view)(x))] == [(F32, F32)] * 3
   # "policy": the policy sets the dtypes (on the view only), silently.
   wins = functools.partial(jlf.policy_view, model, POLICY, explicit_dtypes="policy")
-  assert not _explicit_dtype_warnings(wins)
+  assert not explicit_dtype_warnings(wins)
   wins = wins()
   assert check_fp32_accumulation(jax.make_jaxpr(wins)(x)) == 3
   assert wins.head.dtype == BF16 and model.head.dtype == F32
   assert 0 < rel_error(out_wins, ref) < 0.05
   # A model without dtypes warns about nothing.
   plain = ExamplesModel(dtype=None, rngs=nnx.Rngs(0))
-  assert not _explicit_dtype_warnings(jlf.policy_view, plain, POLICY)
+  assert not explicit_dtype_warnings(jlf.policy_view, plain, POLICY)
 
 
 class Pair(nnx.Module):

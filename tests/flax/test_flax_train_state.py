@@ -150,6 +150,14 @@ def test_a_skipped_step_keeps_batch_stats():
   # A finite step stores the new statistics, as Flax's TrainState does.
   good, _ = step(bad, x)
   assert bool(good.loss_scaling_state.last_finite)
+  # The forward pass's own statistics (the params were untouched by the skipped step).
+  _, ref = jit(state.apply_fn, static_argnames="mutable")(
+    {"params": state.params, "batch_stats": state.batch_stats}, x, mutable=("batch_stats",)
+  )
+  for a, b in zip(
+    jax.tree.leaves(good.batch_stats), jax.tree.leaves(ref["batch_stats"]), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert not np.allclose(
     good.batch_stats["BatchNorm_0"]["mean"], state.batch_stats["BatchNorm_0"]["mean"]
   )
