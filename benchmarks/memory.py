@@ -96,6 +96,7 @@ def loss_fns(config: dict[str, int]) -> dict[str, Callable[[Any, jax.Array], jax
   flax_bf16_model = TransformerLM(**config, dtype=jnp.bfloat16)
   policy_fn = jlf.policy_apply(fp32_model, POLICY)
   stored_fn = jlf.policy_apply(fp32_model, POLICY, overrides={nn.LayerNorm: jlf.FP32})
+  f32_reduction_fn = jlf.policy_apply(fp32_model, POLICY, grad_reduction_dtype=jnp.float32)
 
   def lm_loss(logits, tokens):
     logits = logits.astype(jnp.float32)  # the loss is an fp32 island in every variant
@@ -105,6 +106,7 @@ def loss_fns(config: dict[str, int]) -> dict[str, Callable[[Any, jax.Array], jax
     "fp32": lambda p, t: lm_loss(fp32_model.apply({"params": p}, t), t),
     "jmp_lite": lambda p, t: lm_loss(policy_fn({"params": p}, t), t),
     "jmp_lite_stored": lambda p, t: lm_loss(stored_fn({"params": p}, t), t),
+    "jmp_lite_f32_reduction": lambda p, t: lm_loss(f32_reduction_fn({"params": p}, t), t),
     "flax_bf16": lambda p, t: lm_loss(flax_bf16_model.apply({"params": p}, t), t),
   }
 

@@ -17,9 +17,12 @@ scaling machinery, not of 16-bit arithmetic, which CPUs do not speed up):
 
 Each round times every variant on ``--steps`` steps, in a rotating order; the
 reported ratio is the median over rounds of (variant time / plain time) of the
-same round.
+same round. The compiled HLO of each step is summarised too: fusions,
+conditionals and loops, and the passes over the hidden-layer weight-sized arrays
+(``W reads``/``W writes``: weights, their gradients, Adam's moments).
 
-Run: python -m benchmarks.overhead [--rounds 15] [--steps 20]
+Run: python -m benchmarks.overhead [--rounds 15] [--steps 20] [--config compute|optimizer]
+[--variants jmp_recipe,flax_dynamic_scale]
 """
 
 from __future__ import annotations
@@ -146,23 +149,71 @@ def make_variants(adam):
   }
 
 
-def hlo_summary(compiled) -> dict[str, int]:
-  text = compiled.as_text()
-  entry = text[text.index("ENTRY") :]
+def _entry(text: str) -> str:
+  return text[text.index("ENTRY") :]
+
+
+def weight_passes(text: str, shape: str) -> dict[str, int]:
+  """Reads and writes of arrays of type ``shape`` (e.g. ``"f32[1024,1024]"``) by the entry
+  computation's instructions: how often a step passes over its largest gradients, weights and
+  Adam moments. A read is an instruction with such an operand (a fusion reading the same array
+  twice counts once per operand), a write an instruction with such a result; parameters,
+  tuples, bitcasts and the conditional that only forwards its operands are not passes."""
+  shapes, reads, writes = {}, 0, 0
+  for line in _entry(text).split("\n")[1:]:
+    match = re.match(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*?)\)", line)
+    if not match:
+      continue
+    name, result, opcode, operands = match.groups()
+    shapes[name] = result
+    if opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "conditional"):
+      continue
+    reads += sum(shapes.get(o, "").startswith(shape) for o in re.findall(r"%([\w.-]+)", operands))
+    writes += result.count(shape)
+  return {"reads": reads, "writes": writes}
+
+
+def control_flow(text: str) -> dict[str, int]:
+  """Conditionals and while loops anywhere in a compiled module's text.
+
+  For benchmarks/gpu.py: a ``jl.loss_scaling`` step compiled for a GPU or TPU must have no more
+  than the same step without scaling. There ``jl.all_finite`` is one fused ``all(isfinite)``
+  reduction (jmp_lite/_finite.py); a conditional would make XLA:GPU copy its predicate to the
+  host and wait for it on every step. On XLA:CPU one conditional is expected: the exact
+  fallback behind the cheap sum.
+  """
   return {
-    "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
-    "entry_ops": entry.count("\n"),
-    "while_or_conditional": len(re.findall(r" (?:conditional|while)\(", entry)),
+    "conditionals": len(re.findall(r"= \S+ conditional\(", text)),
+    "while_loops": len(re.findall(r"= \S+ while\(", text)),
   }
 
 
-def run_config(name, widths, batch, rounds, steps):
+def hlo_summary(compiled, weight_shape: str) -> dict[str, int]:
+  text = compiled.as_text()
+  entry = _entry(text)
+  passes = weight_passes(text, weight_shape)
+  return {
+    "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
+    "entry_ops": entry.count("\n"),
+    "while_or_conditional": sum(control_flow(entry).values()),
+    "weight_reads": passes["reads"],
+    "weight_writes": passes["writes"],
+  }
+
+
+def run_config(name, widths, batch, rounds, steps, only=None):
   key = jax.random.PRNGKey(0)
   params = init_mlp(key, widths)
   x = jax.random.normal(jax.random.fold_in(key, 1), (batch, widths[0]), jnp.float32)
   y = jax.random.randint(jax.random.fold_in(key, 2), (batch,), 0, widths[-1])
   adam = optax.adam(1e-4)
   variants = make_variants(adam)
+  if only and set(only) - set(variants):
+    raise ValueError(
+      f"unknown variants {sorted(set(only) - set(variants))}; known: {list(variants)}"
+    )
+  if only:  # plain and jmp_lite always: the ratios are theirs
+    variants = {k: v for k, v in variants.items() if k in {"plain", "jmp_lite", *only}}
 
   jitted, states, hlo = {}, {}, {}
   for vname, (init, step) in variants.items():
@@ -172,7 +223,9 @@ def run_config(name, widths, batch, rounds, steps):
     # placeholder leaves jax unflattens).
     jitted[vname] = jax.jit(step)
     try:
-      hlo[vname] = hlo_summary(jitted[vname].lower(params, state, x, y).compile())
+      hlo[vname] = hlo_summary(
+        jitted[vname].lower(params, state, x, y).compile(), f"f32[{widths[1]},{widths[2]}]"
+      )
     except TypeError:
       hlo[vname] = None
     states[vname] = (jax.tree.map(jnp.copy, params), state)
@@ -202,6 +255,13 @@ def run_config(name, widths, batch, rounds, steps):
     "plain_ms": 1e3 * statistics.median(times["plain"]),
     "variants": {},
   }
+  # The target: jmp_lite no slower than jmp's recipe or Flax's DynamicScale, paired per round.
+  mine = np.asarray(times["jmp_lite"])
+  result["jmp_lite_over"] = {
+    vname: float(np.median(mine / np.asarray(times[vname])))
+    for vname in ("jmp_recipe", "flax_dynamic_scale", "check_keep_state")
+    if vname in times
+  }
   for vname in names:
     ratios = np.asarray(times[vname]) / plain
     result["variants"][vname] = {
@@ -219,6 +279,10 @@ def main():
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--json", help="also write the results to this file")
   parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
+  parser.add_argument(
+    "--variants", help="comma-separated subset to time (plain and jmp_lite always run)"
+  )
+  parser.add_argument("--config", choices=["compute", "optimizer"], help="only this configuration")
   args = parser.parse_args()
 
   if args.quick:
@@ -229,13 +293,16 @@ def main():
       ("compute-bound: MLP 1024x4, batch 256", [1024, 1024, 1024, 1024, 10], 256),
       ("optimizer-bound: MLP 1024x4, batch 8", [1024, 1024, 1024, 1024, 10], 8),
     ]
+  if args.config and not args.quick:
+    configs = [c for c in configs if c[0].startswith(f"{args.config}-bound")]
+  only = args.variants.split(",") if args.variants else None
   print(
     f"backend={jax.default_backend()} jax={jax.__version__} optax={optax.__version__} "
     f"jmp recipe via {JMP_SOURCE}"
   )
   results = []
   for name, widths, batch in configs:
-    res = run_config(name, widths, batch, args.rounds, args.steps)
+    res = run_config(name, widths, batch, args.rounds, args.steps, only)
     results.append(res)
     print(
       f"\n{name}: {res['params']:,} params, plain step {res['plain_ms']:.2f} ms "
@@ -243,7 +310,7 @@ def main():
     )
     print(
       f"{'variant':24s} {'ms/step':>9s} {'ratio':>7s} {'IQR':>15s} {'fusions':>8s} "
-      f"{'cond/while':>10s}"
+      f"{'cond/while':>10s} {'W reads':>8s} {'W writes':>8s}"
     )
     for vname, v in res["variants"].items():
       lo, hi = v["ratio_iqr"]
@@ -251,8 +318,11 @@ def main():
       print(
         f"{vname:24s} {v['median_ms']:9.2f} {v['ratio_vs_plain']:7.3f} "
         f"{f'[{lo:.3f}, {hi:.3f}]':>15s} {hlo.get('fusions', 'n/a'):>8} "
-        f"{hlo.get('while_or_conditional', 'n/a'):>10}"
+        f"{hlo.get('while_or_conditional', 'n/a'):>10} {hlo.get('weight_reads', 'n/a'):>8} "
+        f"{hlo.get('weight_writes', 'n/a'):>8}"
       )
+    over = ", ".join(f"{k} {v:.3f}" for k, v in res["jmp_lite_over"].items())
+    print(f"jmp_lite / alternative, median of per-round ratios: {over}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

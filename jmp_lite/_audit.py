@@ -80,6 +80,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
+from jax import lax
 
 from jmp_lite import _jaxpr, dtypes
 from jmp_lite.policy import Policy
@@ -761,6 +762,15 @@ def _shape(atom: Any) -> tuple[int, ...]:
   return tuple(getattr(getattr(atom, "aval", None), "shape", ()))
 
 
+def _states_wide_accumulation(eqn) -> bool:
+  """Whether a dot's algorithm preset states an fp32 (or wider) accumulator."""
+  precision = eqn.params.get("precision")
+  if not isinstance(precision, lax.DotAlgorithmPreset):
+    return False
+  accumulation = precision.accumulation_type
+  return accumulation is not None and np.dtype(accumulation).itemsize >= 4
+
+
 def _contraction_size(eqn: Any) -> int:
   """The number of products summed into each result of a dot_general / convolution."""
   lhs, rhs = eqn.invars[:2]
@@ -1289,12 +1299,14 @@ class _Auditor:
       )
     else:
       threshold = self.config._threshold(out_dtype, self.config.long_contraction)
-      if n < threshold:
+      if n < threshold or _states_wide_accumulation(eqn):
         return
       message = (
         f"{eqn.primitive.name} accumulating {n} products with a {out_dtype.name} result type, "
         f"the only accumulation type the program states: a backend that accumulates in "
-        f"{out_dtype.name} loses terms from 1/eps = {threshold} products on. Pass "
+        f"{out_dtype.name} loses terms from 1/eps = {threshold} products on. State fp32 "
+        "accumulation with precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32 (F16_F16_F32), "
+        "as jmp_lite.flax.dot_general does on TPU, or pass "
         "preferred_element_type=jnp.float32 and cast the result."
       )
     self.add(ctx, "matmul", eqn, out_dtype, message, size=n)

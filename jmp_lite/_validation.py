@@ -86,3 +86,12 @@ def check_predicate(pred: Any, name: str) -> jax.Array:
   if pred.shape != ():
     raise ValueError(f"{name} must be a boolean scalar, got shape {pred.shape}.")
   return pred
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+  """``value`` if it is one of the strings ``choices``; TypeError/ValueError otherwise."""
+  if not isinstance(value, str):
+    raise TypeError(f"{name} must be one of {choices}, got {value!r}.")
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+  return value

@@ -82,13 +82,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import dtypes
+from jmp_lite import _validation, dtypes
 from jmp_lite import policy as policy_lib
 from jmp_lite.loss_scale import LossScale
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+FAST_ACCUMULATION = ("none", "forward", "all")
 _F32 = np.dtype(jnp.float32)
 
 
@@ -123,14 +124,6 @@ def _check_margin(value: Any) -> float:
   return margin
 
 
-def _check_algo(value: Any) -> str:
-  if not isinstance(value, str):
-    raise TypeError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {value!r}.")
-  if value not in AMAX_COMPUTE_ALGOS:
-    raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {value!r}.")
-  return value
-
-
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
   """How fp8 matmuls quantize and how their scales adapt (hashable, jit-static).
@@ -147,6 +140,13 @@ class Fp8Config:
       one (adapts fastest).
     margin: extra headroom in powers of two: the scale maps ``amax * 2**margin``
       to the format's largest value.
+    fast_accumulation: which matmuls may use the GPU's fast fp8 accumulation
+      (Hopper's fp8 tensor cores then keep fewer bits of the running sum than
+      fp32): ``"none"`` (default: every sum in fp32), ``"forward"`` (the
+      forward matmul only, Transformer Engine's default; gradients stay
+      exact-product, fp32-sum), or ``"all"``. It sets the matmuls'
+      ``precision`` (``DEFAULT`` for fast, ``HIGHEST`` otherwise), which
+      XLA:GPU reads; XLA:CPU sums in fp32 either way.
 
   >>> Fp8Config(amax_history_length=16).fwd_dtype.name
   'float8_e4m3fn'
@@ -157,14 +157,21 @@ class Fp8Config:
   amax_history_length: int = 1024
   amax_compute_algo: str = "max"
   margin: float = 0.0
+  fast_accumulation: str = "none"
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
     set_("fwd_dtype", _as_fp8_dtype(self.fwd_dtype, "fwd_dtype"))
     set_("bwd_dtype", _as_fp8_dtype(self.bwd_dtype, "bwd_dtype"))
     set_("amax_history_length", _check_history_length(self.amax_history_length))
-    set_("amax_compute_algo", _check_algo(self.amax_compute_algo))
+    choice = _validation.check_choice
+    set_(
+      "amax_compute_algo", choice(self.amax_compute_algo, "amax_compute_algo", AMAX_COMPUTE_ALGOS)
+    )
     set_("margin", _check_margin(self.margin))
+    set_(
+      "fast_accumulation", choice(self.fast_accumulation, "fast_accumulation", FAST_ACCUMULATION)
+    )
 
 
 def _as_config(config: Fp8Config | None) -> Fp8Config:
@@ -345,7 +352,7 @@ def update_scale(
   >>> float(state.scale), state.amax_history.tolist()
   (1.0, [448.0, 0.0, 0.0])
   """
-  algo = _check_algo(amax_compute_algo)
+  algo = _validation.check_choice(amax_compute_algo, "amax_compute_algo", AMAX_COMPUTE_ALGOS)
   history = jnp.asarray(state.amax_history)
   scale = jnp.asarray(state.scale)
   if history.ndim < 1 or history.shape[-1] < 1 or history.shape[:-1] != scale.shape:
@@ -608,12 +615,6 @@ def _aval(x: Any) -> Any:
   return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # type: ignore[attr-defined]
 
 
-def _dot(lhs, rhs, dims, out_sharding=None) -> jax.Array:
-  """fp32-accumulating dot_general; ``out_sharding`` only when set (newer JAX only)."""
-  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-  return lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32, **kwargs)
-
-
 def _varying_axes(x: Any) -> frozenset:
   """The shard_map mesh axes over which x varies (empty outside shard_map)."""
   aval = _aval(x)
@@ -648,26 +649,76 @@ def _match_varying(amax: jax.Array, axes: frozenset) -> jax.Array:
   return _vary(amax, axes - have)
 
 
-def _operand_cotangent(g, operand, other, dims, operand_is_lhs):
+# -----------------------------------------------------------------------------
+# The GEMM form
+#
+# Each matmul takes the fp8 arrays themselves as operands, with an fp32 result
+# that is multiplied by the product of the scales and then cast:
+#
+#   dot(q_a, q_b) -> f32, * broadcast(s_a * s_b), convert
+#
+# XLA:GPU turns this into one cuBLASLt fp8 GEMM with the scale applied to the
+# fp32 sum (measured on an H200: every matmul of the LM in benchmarks/gpu.py).
+# The other form its GEMM rewriter knows, dequantized operands
+# ``dot(convert(q_a) * s_a, convert(q_b) * s_b)``, is not safe to emit from
+# JAX: XLA:GPU's conversion simplification removes the ``bf16 -> fp8 -> bf16``
+# round trip of the quantization, and the "fp8" matmul silently ran as a plain
+# bf16 GEMM on unquantized values (no fp8 GEMM, no f8 type left in the
+# optimized HLO; benchmarks/gpu.py, docs/benchmarks.md). fp8 x fp8 products are
+# exact in fp32, so the sum is exact up to fp32 rounding whatever the form.
+
+
+def _scaled_dot(a, b, dims, out_dtype, precision, out_sharding=None) -> jax.Array:
+  """``(q_a s_a) . (q_b s_b)`` in ``out_dtype`` from ``a = (q_a, s_a)``, ``b = (q_b, s_b)``.
+
+  fp8 operands, an fp32 sum scaled once and rounded once to ``out_dtype``.
+  """
+  (q_a, s_a), (q_b, s_b) = a, b
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  out = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=_F32, **kwargs)
+  return (out * (s_a * s_b)).astype(out_dtype)
+
+
+def _operand_cotangent(g, operand, other, dims, operand_is_lhs, out_dtype, precision):
   """Transpose of ``operand -> dot_general`` (the other operand fixed), applied to g.
 
-  g's axes are [batch, lhs free, rhs free]. Contracting g's axes that belong
-  to ``other`` with ``other``'s free axes leaves [batch, operand free, other's
-  contracting axes (in other's axis order)], which is permuted back to
-  ``operand``'s layout. fp32 result.
+  ``g``, ``operand`` and ``other`` are ``(fp8 values, scale)`` pairs. g's axes
+  are [batch, lhs free, rhs free]. Contracting g's axes that belong to
+  ``other`` with ``other``'s free axes leaves the batch axes, the operand's
+  free axes and its contracting axes (in other's axis order); the product is
+  taken in whichever operand order yields them in the operand's own axis
+  order, if one does (e.g. ``x.T @ g`` for a kernel), so that XLA needs no
+  transpose of the result, and is permuted otherwise.
   """
+  q_op = operand[0]
+  q_other = other[0]
   (lc, rc), (lb, rb) = dims
   if not operand_is_lhs:
     lc, rc, lb, rb = rc, lc, rb, lb
-  op_free = _free_axes(operand.ndim, lc, lb)
-  other_free = _free_axes(other.ndim, rc, rb)
+  op_free = _free_axes(q_op.ndim, lc, lb)
+  other_free = _free_axes(q_other.ndim, rc, rb)
   nb, nf = len(lb), len(op_free)
   first_other = nb + nf if operand_is_lhs else nb  # where other's free axes sit in g
   g_other = tuple(range(first_other, first_other + len(other_free)))
   # Result axes, named by the operand axis each one becomes.
-  order = [*lb, *op_free, *(lc[rc.index(a)] for a in sorted(rc))]
-  dims = ((g_other, other_free), (tuple(range(nb)), rb))
-  out = _dot(g, other, dims, _result_sharding(operand, order))
+  contracting = [lc[rc.index(a)] for a in sorted(rc)]
+  g_first = [*lb, *op_free, *contracting]
+  other_first = [*lb, *contracting, *op_free]
+  batch = tuple(range(nb))
+  if other_first == sorted(other_first) and g_first != sorted(g_first):
+    order = other_first
+    out = _scaled_dot(
+      other, g, ((other_free, g_other), (rb, batch)), out_dtype, precision,
+      _result_sharding(q_op, order),
+    )  # fmt: skip
+  else:
+    order = g_first
+    out = _scaled_dot(
+      g, other, ((g_other, other_free), (batch, rb)), out_dtype, precision,
+      _result_sharding(q_op, order),
+    )  # fmt: skip
+  if order == sorted(order):
+    return out
   return lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
 
 
@@ -684,6 +735,20 @@ class _DotSpec(NamedTuple):
   probe_axes: frozenset  # the shard_map axes the amax probe varies over
   current_scaling: bool  # traced under current_scaling(): scales from this step's amaxes
   margin: float
+  fwd_precision: Any  # lax.Precision.DEFAULT lets XLA:GPU use fast fp8 accumulation
+  bwd_precision: Any
+
+
+def _precisions(config: Fp8Config) -> tuple[Any, Any]:
+  """(forward, backward) matmul precisions for ``config.fast_accumulation``.
+
+  XLA:GPU accumulates an fp8 GEMM with Hopper's fast (fewer-bit) accumulator
+  when the dot's precision is ``DEFAULT`` and in fp32 when it is ``HIGHEST``
+  (``IsFastAccumEnabled`` in XLA's cuBLASLt wrapper).
+  """
+  fast, exact = lax.Precision.DEFAULT, lax.Precision.HIGHEST
+  mode = config.fast_accumulation
+  return (fast if mode in ("forward", "all") else exact), (fast if mode == "all" else exact)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -694,16 +759,18 @@ def _fp8_dot(lhs, rhs, scales, probe, loss_scale, spec):
 def _fp8_dot_fwd(lhs, rhs, scales, probe, loss_scale, spec):
   del probe  # only its cotangent matters
   input_scale, kernel_scale, grad_scale = scales
+  # Each amax reads the same tensor as its quantization (siblings XLA can fuse
+  # into one pass); with delayed scaling neither waits for the other.
   lhs_amax, rhs_amax = compute_amax(lhs), compute_amax(rhs)
   if spec.current_scaling:  # static: the delayed program has no trace of this
     input_scale = compute_scale(lhs_amax, input_scale, spec.fwd_dtype, spec.margin)
     kernel_scale = compute_scale(rhs_amax, kernel_scale, spec.fwd_dtype, spec.margin)
   q_lhs = quantize(lhs, input_scale, spec.fwd_dtype)
   q_rhs = quantize(rhs, kernel_scale, spec.fwd_dtype)
-  # fp8 x fp8 products are exact in fp32, so accumulating in fp32 and scaling
-  # once afterwards is the most accurate order (and the one fp8 GEMMs use).
-  out = _dot(q_lhs, q_rhs, spec.dims, spec.out_sharding)
-  out = (out * (input_scale * kernel_scale)).astype(spec.out_dtype)
+  out = _scaled_dot(
+    (q_lhs, input_scale), (q_rhs, kernel_scale), spec.dims, spec.out_dtype,
+    spec.fwd_precision, spec.out_sharding,
+  )  # fmt: skip
   # Residuals are the 1-byte quantized operands, not the 2-4 byte originals.
   scales = (input_scale, kernel_scale, grad_scale)
   residuals = (q_lhs, q_rhs, scales, loss_scale, lhs_amax, rhs_amax)
@@ -720,12 +787,13 @@ def _fp8_dot_bwd(spec, residuals, g):
     grad_scale = compute_scale(grad_amax, grad_scale, spec.bwd_dtype, spec.margin)
   scale = grad_scale * loss_scale
   q_g = quantize(g, scale, spec.bwd_dtype)
-  d_lhs = _operand_cotangent(q_g, q_lhs, q_rhs, spec.dims, True) * (scale * kernel_scale)
-  d_rhs = _operand_cotangent(q_g, q_rhs, q_lhs, spec.dims, False) * (scale * input_scale)
+  g, lhs, rhs = (q_g, scale), (q_lhs, input_scale), (q_rhs, kernel_scale)
+  d_lhs = _operand_cotangent(g, lhs, rhs, spec.dims, True, spec.lhs_dtype, spec.bwd_precision)
+  d_rhs = _operand_cotangent(g, rhs, lhs, spec.dims, False, spec.rhs_dtype, spec.bwd_precision)
   observed = Fp8DotAmax(
     *(_match_varying(a, spec.probe_axes) for a in (lhs_amax, rhs_amax, grad_amax))
   )
-  return d_lhs.astype(spec.lhs_dtype), d_rhs.astype(spec.rhs_dtype), None, observed, None
+  return d_lhs, d_rhs, None, observed, None
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -826,9 +894,10 @@ def dot_general(
       ``state.output_grad.scale * loss_scale`` and its amax recorded divided
       by it, so fp8 scaling and loss scaling compose exactly.
     precision: accepted for signature compatibility with ``lax.dot_general``
-      (Flax passes it) and ignored: products of fp8 values are exact in fp32.
+      (Flax passes it) and ignored: products of fp8 values are exact in fp32,
+      and ``config.fast_accumulation`` decides how the GPU sums them.
     preferred_element_type: output dtype (default: the promoted operand
-      dtype). Accumulation is fp32 regardless.
+      dtype). Accumulation is fp32 regardless (see ``fast_accumulation``).
     out_sharding: passed to the forward ``lax.dot_general``.
 
   Returns:
@@ -872,6 +941,7 @@ def dot_general(
     probe_axes,
     bool(_current_scaling_scopes.active),
     config.margin,
+    *_precisions(config),
   )
   return _fp8_dot(lhs, rhs, scales, probe, _loss_scale_value(loss_scale), spec)
 
@@ -1159,6 +1229,7 @@ __all__ = (
   "AMAX_COMPUTE_ALGOS",
   "E4M3",
   "E5M2",
+  "FAST_ACCUMULATION",
   "CurrentScalingScope",
   "Fp8Config",
   "Fp8DotAmax",

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import _tree_util, _validation
+from jmp_lite import _finite, _tree_util, _validation
 
 T = TypeVar("T")
 
@@ -163,8 +163,13 @@ class _UniformScale:
   def unscale_and_adjust(
     self: Any, scaled_grads: Any, params: Any = None, *, axis_name: Any = None
   ):
-    grads = _tree_util.cast_like_params(self.unscale(scaled_grads), params)
-    finite = all_finite(grads, axis_name)
+    def unscaled():
+      return _tree_util.cast_like_params(self.unscale(scaled_grads), params)
+
+    grads = unscaled()
+    finite = _combine(
+      _unscaled_all_finite(unscaled, scaled_grads, grads, self.loss_scale), axis_name
+    )
     return grads, finite, self.adjust(finite)
 
 
@@ -384,28 +389,45 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   >>> all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf], jnp.float16)]).item()
   False
   """
-  leaves = [
-    x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-  ]
-  if not leaves:
-    finite = jnp.array(True)
-  else:
-    # inf, -inf and NaN all make a sum non-finite, and a sum reads each value
-    # once without materialising a boolean per element (4x cheaper than
-    # all(isfinite) on XLA:CPU). Finite values can still overflow the sum, so
-    # only a non-finite sum pays for the exact elementwise check.
-    total = sum(
-      jnp.sum(x, dtype=jnp.promote_types(jnp.result_type(x), jnp.float32)) for x in leaves
-    )
-    sum_finite = jnp.isfinite(total)
-    finite = lax.cond(
-      sum_finite,
-      lambda: sum_finite,  # (not a constant True: it keeps shard_map's varying type)
-      lambda: functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in leaves]),
-    )
+  leaves = _finite.inexact_leaves(tree)
+  # Exact on every backend; a sum guarded by a conditional on XLA:CPU, one
+  # fused all(isfinite) pass elsewhere (jmp_lite/_finite.py says why).
+  finite = _finite.all_finite(lambda: leaves) if leaves else jnp.array(True)
+  return _combine(finite, axis_name)
+
+
+def _combine(finite: jax.Array, axis_name: Any) -> jax.Array:
+  """Makes every device along ``axis_name`` take the same decision."""
   if axis_name is not None:
     finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
   return finite
+
+
+def _unscaled_all_finite(
+  unscaled: Callable[[], Any], scaled_grads: Any, grads: Any, loss_scale: Any
+) -> jax.Array:
+  """``all_finite(grads)`` for ``grads = unscaled()``, reading the gradients once.
+
+  The check traces its own unscale (XLA merges the copies): XLA:GPU and TPU
+  fuse it into the ``all(isfinite)`` reduction. XLA:CPU sums the scaled
+  gradients instead, which vouch for the unscaled ones when ``1/S <= 1`` and
+  the cast to the parameter dtype does not narrow (fp32 to fp16 can overflow a
+  finite value: such leaves are summed after the cast); its exact fallback
+  unscales inside the conditional, so the unscaled gradients are never
+  materialised for it.
+  """
+  if not _finite.inexact_leaves(grads):
+    return jnp.array(True)
+  proxies = []
+  for scaled, grad in zip(
+    jax.tree_util.tree_leaves(scaled_grads), jax.tree_util.tree_leaves(grads), strict=True
+  ):
+    if _finite.is_inexact(grad):
+      wide = jnp.promote_types(jnp.result_type(scaled), jnp.float32)
+      proxies.append(scaled if jnp.promote_types(wide, grad.dtype) == grad.dtype else grad)
+  return _finite.all_finite(
+    lambda: _finite.inexact_leaves(unscaled()), proxies, jnp.asarray(loss_scale) >= 1
+  )
 
 
 def select_tree(pred: jax.Array, a: T, b: T) -> T:

@@ -393,6 +393,12 @@ def test_matmul_accumulation_modes():
     lambda a, b: jnp.dot(a, b, preferred_element_type=F32), a, b, audit_config=strict
   )
   assert not audit(jnp.dot, a[:, :64], b[:64], audit_config=strict)  # short contraction
+  # An algorithm preset states the fp32 accumulator (jmp_lite's kernels on GPU/TPU).
+  stated = lambda a, b: lax.dot(a, b, precision=lax.DotAlgorithmPreset.F16_F16_F32)
+  assert not audit(stated, a, b, audit_config=strict)
+  bf16 = lambda a, b: lax.dot(a, b, precision=lax.DotAlgorithmPreset.BF16_BF16_BF16)
+  (finding,) = audit(bf16, a.astype(BF16), b.astype(BF16), audit_config=strict)
+  assert finding.check == "matmul"
   kernel = jnp.ones((4, 3, 3, 3), E4M3)  # OIHW: 27 products per output
   conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME")
   (finding,) = audit(conv, jnp.ones((1, 3, 8, 8), E4M3), kernel)

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import pickle
+import re
 
 import flax.serialization
 import jax
@@ -43,6 +44,7 @@ def test_config_defaults_and_hashable():
   assert config.amax_history_length == 1024
   assert config.amax_compute_algo == "max"
   assert config.margin == 0.0
+  assert config.fast_accumulation == "none"
   assert fp8.Fp8Config("e4m3", "f8e5m2") == config
   assert hash(fp8.Fp8Config(margin=1)) == hash(fp8.Fp8Config(margin=1.0))
 
@@ -67,6 +69,8 @@ def test_config_defaults_and_hashable():
     ({"fwd_dtype": jnp.int8}, TypeError, "int8"),
     ({"fwd_dtype": "float8_e4m3fnuz"}, ValueError, "float8_e4m3fnuz"),
     ({"bwd_dtype": None}, TypeError, "None"),
+    ({"fast_accumulation": "backward"}, ValueError, "fast_accumulation must be one of"),
+    ({"fast_accumulation": True}, TypeError, "got True"),
   ],
 )
 def test_config_rejects_bad_values(kwargs, error, match):
@@ -368,6 +372,92 @@ def test_dot_general_dtypes_and_fp32_accumulation():
   assert y.dtype == jnp.bfloat16 and float(y[0, 0]) == 16.0  # fp32 sum of 2^-8s: exact
   assert y32.dtype == jnp.float32
   assert dx.dtype == dk.dtype == jnp.bfloat16
+
+
+def dequantized(v, scale, dtype):
+  return np.asarray(fp8.quantize(v, scale, dtype), np.float64) * np.float64(scale)
+
+
+@pytest.mark.parametrize("recipe", ["hybrid", "e4m3", "e5m2"])
+def test_bf16_results_are_the_scaled_fp32_sum_rounded_once(recipe):
+  """A bf16 result is the product of the quantized operands (exact products, an fp32 sum,
+  scaled in fp32) rounded once to bf16, forward and both gradients."""
+  config = fp8.get_fp8_policy(f"fp8={recipe}", amax_history_length=4).config
+  fwd, bwd = config.fwd_dtype, config.bwd_dtype
+  rng = np.random.default_rng(7)
+  bf16 = jnp.bfloat16
+  x = jnp.asarray(rng.standard_normal((16, 64)) * 3, bf16)
+  k = jnp.asarray(rng.standard_normal((64, 8)) * 0.05, bf16)
+  g = jnp.asarray(rng.standard_normal((16, 8)) * 1e-3, bf16)
+  state = scaled_state(x, k, g, config)  # amax / fp8_max: no short binary expansion
+  y, (dx, dk) = value_and_vjp(
+    lambda x, k: fp8.dot_general(x, k, MATMUL, state, config=config), x, k, g
+  )
+  assert y.dtype == dx.dtype == dk.dtype == bf16
+  s_x, s_k, s_g = (float(t.scale) for t in state)
+  xq, kq, gq = dequantized(x, s_x, fwd), dequantized(k, s_k, fwd), dequantized(g, s_g, bwd)
+  for got, a, b in ((y, xq, kq), (dx, gq, kq.T), (dk, xq.T, gq)):
+    want = a @ b  # float64
+    got = np.asarray(got, np.float64)
+    half_ulp = np.exp2(np.floor(np.log2(np.abs(want))) - 8)  # bf16: 8 significant bits
+    fp32_error = (a.shape[1] + 2) * 2.0**-24 * (np.abs(a) @ np.abs(b))  # sum, then 2 scalings
+    assert np.all(np.abs(got - want) <= half_ulp + fp32_error)
+
+
+def hlo_instructions(fun, *args):
+  """name -> (result type, opcode, operand names, attributes) of a lowered program's HLO."""
+  text = jax.jit(fun).lower(*args).as_text(dialect="hlo")
+  pattern = re.compile(r"^\s*(?:ROOT )?([\w.-]+) = (\S+?)(?:\{[\d,]*\})? ([\w-]+)\(([^)]*)\)(.*)$")
+  out = {}
+  for line in text.splitlines():
+    if m := pattern.match(line):
+      name, result, opcode, operands, rest = m.groups()
+      out[name] = (result, opcode, [o.strip() for o in operands.split(",") if o.strip()], rest)
+  return out
+
+
+@pytest.mark.parametrize(
+  "fast, forward, backward",
+  [
+    ("none", "highest", "highest"),
+    ("forward", "default", "highest"),
+    ("all", "default", "default"),
+  ],
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_matmuls_are_in_the_form_xla_gpu_fuses_into_fp8_gemms(fast, forward, backward, dtype):
+  """The HLO form XLA:GPU turns into one cuBLASLt fp8 GEMM, its scale included.
+
+  Every dot takes the fp8 arrays themselves (not ``convert(fp8) * scale``: XLA:GPU removes
+  that round trip and runs a bf16 GEMM on unquantized values) and its f32 result is multiplied
+  by a scalar broadcast (the GEMM's output scale); the kernel gradient comes out in the
+  kernel's layout (no transpose). The precision selects fast accumulation.
+  """
+  config = fp8.Fp8Config(amax_history_length=2, fast_accumulation=fast)
+  state = fp8.init_dot_state(config)
+  dense = (((2,), (0,)), ((), ()))
+  x, k, g = jnp.ones((2, 8, 16), dtype), jnp.ones((16, 32), dtype), jnp.ones((2, 8, 32), dtype)
+  fun = lambda x, k, g, s: value_and_vjp(
+    lambda x, k: fp8.dot_general(x, k, dense, s, config=config), x, k, g
+  )
+  instructions = hlo_instructions(fun, x, k, g, state)
+  dots = {n: i for n, i in instructions.items() if i[1] == "dot"}
+  assert len(dots) == 3
+  # HLO prints no operand_precision for DEFAULT.
+  precisions = sorted(
+    (re.findall(r"operand_precision=\{(\w+),", i[3]) or ["default"])[0] for i in dots.values()
+  )
+  assert precisions == sorted([forward, backward, backward])
+  formats = []
+  for dot, (result, _, operands, _) in dots.items():
+    assert result.startswith("f32[")
+    formats.append(sorted(instructions[o][0].split("[")[0] for o in operands))
+    users = [i for i in instructions.values() if dot in i[2]]
+    assert [u[1] for u in users] == ["multiply"]
+    assert [instructions[o][1] for o in users[0][2] if o != dot] == ["broadcast"]
+  both = ["f8e4m3fn", "f8e5m2"]
+  assert sorted(formats) == [["f8e4m3fn", "f8e4m3fn"], both, both]
+  assert not [i for i in instructions.values() if i[1] == "transpose" and i[0].startswith("f32")]
 
 
 def test_dot_general_rejects_bad_arguments():

@@ -7,7 +7,8 @@
   per-module-class overrides (normalization and embeddings keep fp32);
   :class:`ExplicitDtypeWarning` names modules built with their own ``dtype=``.
 * :func:`dot_general`, :func:`conv_general_dilated`, :func:`einsum`: 16-bit
-  matmuls and convolutions that accumulate in fp32, forward and backward.
+  matmuls and convolutions (accumulated in fp32 by the hardware), with an
+  optional fp32 result or fp32 weight gradient.
 * :func:`dot_product_attention`, :func:`softmax`: attention with an fp32
   softmax that keeps 16-bit residuals.
 * :class:`TrainState`, :class:`Optimizer`: Flax's training state and NNX

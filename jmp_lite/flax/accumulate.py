@@ -1,38 +1,67 @@
-"""Matmuls and convolutions on 16-bit operands that accumulate in fp32.
+r"""Matmuls and convolutions on 16-bit operands, as lean as the hardware allows.
 
 A dot product of bf16 numbers rounded to bf16 after every addition loses the
 small terms of long sums (bf16 keeps 8 significant bits, so adding 256 ones to
-256 gives 256). Hardware avoids this by accumulating in fp32, but JAX only
-*says* so when asked: ``jnp.dot(bf16, bf16)`` lowers to a ``dot_general`` with
-``preferred_element_type=bfloat16``. The functions here ask explicitly, in the
-forward *and* the backward pass:
+256 gives 256). Matrix hardware does not do that: it multiplies 16-bit
+operands, accumulates in fp32 and rounds once into a 16-bit result,
 
 .. math::
 
-  y = \\mathrm{round}_{16}\\Big(\\sum_k x_{ik} w_{kj}\\Big)_{\\text{fp32}}, \\qquad
-  \\bar x = \\mathrm{round}_{16}\\Big(\\sum_j \\bar y_{ij} w_{kj}\\Big)_{\\text{fp32}}, \\qquad
-  \\bar w = \\mathrm{round}_{16}\\Big(\\sum_i x_{ik} \\bar y_{ij}\\Big)_{\\text{fp32}}
+  y = \mathrm{round}_{16}\Big(\sum_k x_{ik} w_{kj}\Big)_{\text{fp32}}.
 
-so all three matmuls of a layer read 16-bit operands (fast on tensor cores),
-accumulate in fp32, and keep only the 16-bit operands as residuals. JAX's own
-differentiation of ``dot_general(..., preferred_element_type=float32)`` would
-instead feed an fp32 cotangent into the backward matmuls, which then run with
-an fp32 operand.
+What each backend does with a ``dot_general`` of two 16-bit operands and a
+16-bit result (measured: ``tests/flax/test_flax_accumulate.py`` on XLA:CPU,
+``benchmarks/gpu.py``'s probe on an H200; docs/benchmarks.md):
+
+* **XLA:GPU** accumulates in fp32 (cuBLASLt and Triton gemms, long
+  contractions included) and rounds once. It honours the algorithm preset
+  ``BF16_BF16_F32`` (``F16_F16_F32``), but then emits every declared dot as a
+  Triton gemm fusion, taking cuBLAS out of its autotuner's choices (131 of
+  131 declared dots in the LM step of ``benchmarks/gpu.py``; Flax's undeclared
+  step ran 89 of its dots on cuBLASLt). The declaration buys nothing there, so
+  none is made.
+* **XLA:TPU**: the matrix unit accumulates bf16 products in fp32;
+  ``BF16_BF16_F32`` states it (TPUs have no fp16 matrix unit, so fp16 dots
+  carry no preset). Not measured here.
+* **XLA:CPU** accumulates 16-bit dots in fp32 whatever the program says (it
+  computes them in fp32), but rejects the presets for fp16 and for dots with a
+  single output element, so nothing is declared there.
+* Convolutions: cuDNN, the TPU and XLA:CPU accumulate 16-bit convolutions in
+  fp32 (fp16 on cuDNN: fp32 partial sums, rounded more than once, 0.52 ulp at
+  worst in the probe); JAX drops an algorithm preset on
+  ``conv_general_dilated``, so none is declared.
+
+So the kernels here emit exactly the 16-bit matmuls of a Flax layer built with
+``dtype=jnp.bfloat16`` (16-bit operands, residuals and results, forward and
+backward, so the fast gemm paths and half the bytes), plus the preset on TPU
+(:func:`accumulation_precision`). A wider result buys
+no accuracy there (the accumulator is fp32 already) and costs bandwidth and
+memory. Two options keep fp32 where it is consumed in fp32:
+
+* ``output_dtype=jnp.float32``: the product leaves the matmul in fp32,
+  unrounded (for the layer whose output is the model's fp32 output, e.g. the
+  logits before the loss). Its gradients are still 16-bit matmuls: the fp32
+  cotangent is rounded once to the operand dtype.
+* ``rhs_grad_dtype=jnp.float32``: the weight gradient (the gradient of
+  ``rhs``, a Flax layer's kernel) leaves its matmul in fp32 and is rounded
+  once to ``rhs``'s dtype afterwards. Under data parallelism or FSDP the
+  cross-device sum of its per-device partial products then runs in fp32 (at
+  twice the bytes), rounding once instead of at every step of the reduction.
+  The default reduces in the 16-bit dtype, as Flax's 16-bit layers do.
 
 They are drop-in replacements for :func:`jax.lax.dot_general`,
 :func:`jax.lax.conv_general_dilated` and :func:`jax.numpy.einsum` (the hooks
 Flax layers expose as ``dot_general``, ``conv_general_dilated`` and
 ``einsum_op``); operands that are not both 16-bit floats of one dtype go
-straight to the JAX function. Reverse-mode differentiation (``grad``, ``vjp``),
-``jit``, ``vmap``, ``scan`` and ``checkpoint`` work; forward-mode (``jvp``,
-``jacfwd``) does not, as for any :func:`jax.custom_vjp` function.
+straight to the JAX function. Without the options they are JAX's own
+operations, differentiable in both modes; with an option, reverse mode only.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +70,13 @@ from jax import lax
 from jax.extend import core as jex_core
 
 _F32 = np.dtype(np.float32)
+_PRESETS = {
+  np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
+  np.dtype(jnp.float16): lax.DotAlgorithmPreset.F16_F16_F32,
+}
+# Where the presets are declared (see the module docstring): not on XLA:GPU, which honours
+# them but then emits every declared dot as a Triton gemm, never cuBLAS.
+_DECLARES = {"tpu": frozenset({np.dtype(jnp.bfloat16)})}
 
 
 def is_16bit_float(dtype: Any) -> bool:
@@ -49,59 +85,88 @@ def is_16bit_float(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
 
 
-def _accumulates_in_16bit(lhs: Any, rhs: Any, preferred_element_type: Any) -> bool:
-  """Whether JAX would accumulate this product in a 16-bit type."""
+def _platform() -> str:
+  """The platform the program is traced for (JAX's default backend)."""
+  return jax.default_backend()
+
+
+def _narrow(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype | None:
+  """The 16-bit operand dtype if this is a 16-bit x 16-bit product with a 16-bit result."""
   lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
   if lhs_dtype != rhs_dtype or not is_16bit_float(lhs_dtype):
-    return False
-  return preferred_element_type is None or np.dtype(preferred_element_type) == lhs_dtype
+    return None
+  if preferred_element_type is not None and np.dtype(preferred_element_type) != lhs_dtype:
+    return None
+  return np.dtype(lhs_dtype)
 
 
-def _canonical_dot_general(
-  lhs: jax.Array,
-  rhs: jax.Array,
-  dimension_numbers: lax.DotDimensionNumbers,
-  precision: lax.PrecisionLike = None,
-  preferred_element_type: Any = None,
-  **kwargs: Any,
-) -> jax.Array:
-  """``dot_general`` computed as one ``[B, M, K] x [B, K, N]`` batched matmul.
+def accumulation_precision(
+  dtype: Any,
+  lhs_shape: tuple,
+  rhs_shape: tuple,
+  dimension_numbers: Any,
+  platform: str | None = None,
+) -> lax.DotAlgorithmPreset | None:
+  """The algorithm preset stating fp32 accumulation of a 16-bit matmul, if declarable.
 
-  Same result as :func:`jax.lax.dot_general`. XLA's CPU runtime rejects some
-  16-bit x 16-bit -> fp32 dots whose operands have several free dimensions
-  ("Unsupported element type for DotThunk"); in canonical form every backend
-  takes them, and XLA fuses the transposes and reshapes into the operand
-  layouts, as its own dot canonicalization does. With an explicit
-  ``out_sharding`` (which names the original output axes) the product is left
-  as given.
+  ``None`` where nothing is declared (XLA:CPU, XLA:GPU; fp16 on TPU: see the
+  module docstring) or for a product that is not a matrix product (an operand without a free
+  dimension, or a single output element: compilers lower those as reductions).
+
+  Args:
+    dtype: the operands' 16-bit dtype.
+    lhs_shape, rhs_shape, dimension_numbers: as for :func:`jax.lax.dot_general`.
+    platform: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default JAX's default backend.
   """
-  if kwargs.get("out_sharding") is not None:
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-  kwargs.pop("out_sharding", None)
+  dtype = np.dtype(dtype)
+  if dtype not in _DECLARES.get(platform or _platform(), ()):
+    return None
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  lhs_contract, rhs_contract = tuple(lhs_contract), tuple(rhs_contract)
-  lhs_batch, rhs_batch = tuple(lhs_batch), tuple(rhs_batch)
-  lhs_free = tuple(d for d in range(lhs.ndim) if d not in lhs_contract + lhs_batch)
-  rhs_free = tuple(d for d in range(rhs.ndim) if d not in rhs_contract + rhs_batch)
-  size = lambda x, dims: int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
-  batch_shape = tuple(lhs.shape[d] for d in lhs_batch)
-  b, k = size(lhs, lhs_batch), size(lhs, lhs_contract)
-  lhs3 = lhs.transpose(lhs_batch + lhs_free + lhs_contract).reshape(b, size(lhs, lhs_free), k)
-  rhs3 = rhs.transpose(rhs_batch + rhs_contract + rhs_free).reshape(b, k, size(rhs, rhs_free))
-  out = lax.dot_general(
-    lhs3, rhs3, (((2,), (1,)), ((0,), (0,))), precision, preferred_element_type, **kwargs
+  free = lambda shape, contract, batch: [
+    n for d, n in enumerate(shape) if d not in tuple(contract) + tuple(batch)
+  ]
+  lhs_free, rhs_free = (
+    free(lhs_shape, lhs_contract, lhs_batch),
+    free(rhs_shape, rhs_contract, rhs_batch),
   )
-  free_shape = tuple(lhs.shape[d] for d in lhs_free) + tuple(rhs.shape[d] for d in rhs_free)
-  return out.reshape(batch_shape + free_shape)
+  if not lhs_free or not rhs_free or int(np.prod(lhs_free + rhs_free)) < 2:
+    return None
+  return _PRESETS[dtype]
 
 
-def _eval_accumulating(closed: jex_core.ClosedJaxpr, *args: Any) -> list[Any]:
-  """Evaluates ``closed`` with every 16-bit dot/conv accumulating in fp32.
+class _Options(NamedTuple):
+  """The static part of a product that needs its own VJP (see the module docstring)."""
 
-  A minimal jaxpr interpreter: each ``dot_general``/``conv_general_dilated``
-  whose result is 16-bit is bound with ``preferred_element_type=float32`` and
-  rounded to its original type; every other equation is bound unchanged.
-  Binding (rather than calling XLA) keeps it traceable under jit/vmap.
+  output_dtype: np.dtype | None  # a wide result, left unrounded
+  rhs_grad_dtype: np.dtype | None  # the wide dtype the rhs gradient leaves its matmul in
+
+
+def _options(output_dtype: Any, rhs_grad_dtype: Any) -> _Options | None:
+  def wide(value: Any, name: str) -> np.dtype | None:
+    if value is None:
+      return None
+    dtype = np.dtype(value)
+    if dtype != _F32:
+      raise ValueError(f"{name} must be None or float32, got {value!r}.")
+    return dtype
+
+  options = _Options(wide(output_dtype, "output_dtype"), wide(rhs_grad_dtype, "rhs_grad_dtype"))
+  return None if options == _Options(None, None) else options
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+  # Unbatched shapes even under vmap, whose tracers then batch the replayed binds; the
+  # sharding under explicit mesh axes, where a transpose must return the operand's.
+  sharding = getattr(jax.typeof(x), "sharding", None) if hasattr(jax, "typeof") else None
+  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
+
+
+def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> list[Any]:
+  """Evaluates ``closed`` with every 16-bit product leaving its matmul in ``wide``.
+
+  Each ``dot_general``/``conv_general_dilated`` with a 16-bit result is bound
+  with ``preferred_element_type=wide``; every other equation is bound as it
+  is. Binding (rather than calling XLA) keeps it traceable under jit/vmap.
   """
   env: dict[Any, Any] = {}
 
@@ -112,52 +177,50 @@ def _eval_accumulating(closed: jex_core.ClosedJaxpr, *args: Any) -> list[Any]:
   env.update(zip(jaxpr.constvars, closed.consts, strict=True))
   env.update(zip(jaxpr.invars, args, strict=True))
   for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    out_dtype = eqn.outvars[0].aval.dtype if eqn.outvars else None
-    if eqn.primitive is lax.dot_general_p and is_16bit_float(out_dtype):
-      params = dict(eqn.params, preferred_element_type=_F32)
-      outs = [_canonical_dot_general(*invals, **params).astype(out_dtype)]
-    elif eqn.primitive is lax.conv_general_dilated_p and is_16bit_float(out_dtype):
-      params = dict(eqn.params, preferred_element_type=_F32)
-      outs = [eqn.primitive.bind(*invals, **params).astype(out_dtype)]
-    else:
-      params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
-      if isinstance(params, tuple):  # JAX < 0.7 returned (subfuns, params)
-        subfuns, params = params
-      outs = eqn.primitive.bind(*subfuns, *invals, **params)
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
+    params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
+    if isinstance(params, tuple):  # JAX < 0.7 returned (subfuns, params)
+      subfuns, params = params
+    if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p) and is_16bit_float(
+      eqn.outvars[0].aval.dtype
+    ):
+      params = dict(params, preferred_element_type=wide)
+    outs = eqn.primitive.bind(*subfuns, *(read(v) for v in eqn.invars), **params)
+    if not eqn.primitive.multiple_results:
+      outs = [outs]
     for var, val in zip(eqn.outvars, outs, strict=True):
       if not isinstance(var, jex_core.DropVar):
         env[var] = val
   return [read(v) for v in jaxpr.outvars]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _accumulate_in_fp32(op: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  """``op(lhs, rhs)`` for 16-bit operands, accumulated in fp32, rounded back."""
-  return op(lhs, rhs, _F32).astype(lhs.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _product(op: Callable[..., jax.Array], options: _Options, lhs: jax.Array, rhs: jax.Array):
+  """``op(lhs, rhs, result_dtype)`` with a wide result and/or a wide rhs gradient."""
+  return op(lhs, rhs, options.output_dtype)
 
 
-def _accumulate_fwd(op, lhs, rhs):
-  return _accumulate_in_fp32(op, lhs, rhs), (lhs, rhs)
+def _product_fwd(op, options, lhs, rhs):
+  return _product(op, options, lhs, rhs), (lhs, rhs)
 
 
-def _accumulate_bwd(op, residuals, cotangent):
+def _product_bwd(op, options, residuals, cotangent):
   lhs, rhs = residuals
+  # The gradients are 16-bit products like the forward pass: a wide cotangent
+  # is rounded once here, so no backward matmul has an fp32 operand.
+  cotangent = cotangent.astype(lhs.dtype)
+  d_lhs = jax.linear_transpose(lambda a: op(a, rhs, None), _spec(lhs))(cotangent)[0]
+  if options.rhs_grad_dtype is None:
+    d_rhs = jax.linear_transpose(lambda b: op(lhs, b, None), _spec(rhs))(cotangent)[0]
+  else:
+    # JAX knows the transposed product (dimension numbers, padding, dilation):
+    # trace it abstractly, then replay it with a wide result.
+    transpose = lambda a, g: jax.linear_transpose(lambda b: op(a, b, None), _spec(rhs))(g)[0]
+    closed = jax.make_jaxpr(transpose)(_spec(lhs), _spec(cotangent))
+    (d_rhs,) = _replay_wide(closed, options.rhs_grad_dtype, lhs, cotangent)
+  return d_lhs, d_rhs.astype(rhs.dtype)
 
-  def vjp_16bit(lhs, rhs, cotangent):
-    return jax.vjp(lambda a, b: op(a, b, None), lhs, rhs)[1](cotangent)
 
-  # JAX knows the transposed dots/convs (dimension numbers, padding, dilation);
-  # trace them abstractly, then replay them with fp32 accumulation. The avals
-  # are the unbatched ones even under vmap, whose tracers then batch the binds.
-  spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-  closed = jax.make_jaxpr(vjp_16bit)(spec(lhs), spec(rhs), spec(cotangent))
-  return tuple(_eval_accumulating(closed, lhs, rhs, cotangent))
-
-
-_accumulate_in_fp32.defvjp(_accumulate_fwd, _accumulate_bwd)
+_product.defvjp(_product_fwd, _product_bwd)
 
 
 def dot_general(
@@ -166,25 +229,48 @@ def dot_general(
   dimension_numbers: lax.DotDimensionNumbers,
   precision: lax.PrecisionLike = None,
   preferred_element_type: Any = None,
+  *,
+  output_dtype: Any = None,
+  rhs_grad_dtype: Any = None,
   **kwargs: Any,
 ) -> jax.Array:
-  """:func:`jax.lax.dot_general` that accumulates 16-bit operands in fp32.
+  """:func:`jax.lax.dot_general` for 16-bit operands, stating fp32 accumulation.
 
   For two float16 (or two bfloat16) operands and no wider
-  ``preferred_element_type``, the product and both of its gradients are
-  computed with ``preferred_element_type=float32`` and rounded to the operand
-  dtype. Anything else is passed to :func:`jax.lax.dot_general` unchanged.
+  ``preferred_element_type``, the product is JAX's 16-bit ``dot_general``
+  with ``precision`` set to :func:`accumulation_precision` where the backend
+  takes it (a ``precision`` you pass is kept). Anything else is passed to
+  :func:`jax.lax.dot_general` unchanged.
+
+  Args:
+    lhs, rhs, dimension_numbers, precision, preferred_element_type: as for
+      :func:`jax.lax.dot_general`.
+    output_dtype: ``None`` (a 16-bit result) or ``float32``: the result leaves
+      the matmul in fp32, unrounded.
+    rhs_grad_dtype: ``None`` or ``float32``: the gradient of ``rhs`` leaves its
+      matmul in fp32 and is rounded to ``rhs``'s dtype afterwards.
+    **kwargs: passed to :func:`jax.lax.dot_general` (e.g. ``out_sharding``).
+
+  Returns:
+    The product, in the operands' dtype (or ``output_dtype``).
 
   Example (a Flax layer built without editing its code path)::
 
     layer = nn.Dense(features=128, dot_general=jmp_lite.flax.dot_general)
   """
-  if not _accumulates_in_16bit(lhs, rhs, preferred_element_type):
+  dtype = _narrow(lhs, rhs, preferred_element_type)
+  options = _options(output_dtype, rhs_grad_dtype)
+  if dtype is None:
     return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-  op = lambda a, b, accumulation: _canonical_dot_general(
-    a, b, dimension_numbers, precision, accumulation, **kwargs
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  if precision is None:
+    precision = accumulation_precision(dtype, lhs.shape, rhs.shape, dimension_numbers)
+  op = lambda a, b, result_dtype: lax.dot_general(
+    a, b, dimension_numbers, precision, result_dtype, **kwargs
   )
-  return _accumulate_in_fp32(op, jnp.asarray(lhs), jnp.asarray(rhs))
+  if options is None:
+    return op(lhs, rhs, None)
+  return _product(op, options, lhs, rhs)
 
 
 def conv_general_dilated(
@@ -192,34 +278,66 @@ def conv_general_dilated(
   rhs: jax.typing.ArrayLike,
   *args: Any,
   preferred_element_type: Any = None,
+  output_dtype: Any = None,
+  rhs_grad_dtype: Any = None,
   **kwargs: Any,
 ) -> jax.Array:
-  """:func:`jax.lax.conv_general_dilated` that accumulates 16-bit operands in fp32.
+  """:func:`jax.lax.conv_general_dilated` with :func:`dot_general`'s options.
 
-  Takes the same arguments; see :func:`dot_general` for when fp32 accumulation
-  applies (the input and weight gradients accumulate in fp32 too).
+  Takes the same arguments; 16-bit convolutions accumulate in fp32 on every
+  backend without a declaration (JAX drops algorithm presets on
+  convolutions), so without the options this is JAX's own convolution.
+  ``output_dtype`` and ``rhs_grad_dtype`` (the kernel gradient) are as for
+  :func:`dot_general`.
   """
-  if not _accumulates_in_16bit(lhs, rhs, preferred_element_type):
-    # *args are conv_general_dilated's positional arguments before preferred_element_type.
-    return lax.conv_general_dilated(  # type: ignore[misc]
-      lhs,  # type: ignore[arg-type]
-      rhs,  # type: ignore[arg-type]
-      *args,
-      preferred_element_type=preferred_element_type,
-      **kwargs,
-    )
-  op = lambda a, b, accumulation: lax.conv_general_dilated(  # type: ignore[misc]
-    a, b, *args, preferred_element_type=accumulation, **kwargs
+  dtype = _narrow(lhs, rhs, preferred_element_type)
+  options = _options(output_dtype, rhs_grad_dtype)
+  # *args are conv_general_dilated's positional arguments before preferred_element_type.
+  op = lambda a, b, result_dtype: lax.conv_general_dilated(  # type: ignore[misc]
+    a, b, *args, preferred_element_type=result_dtype, **kwargs
   )
-  return _accumulate_in_fp32(op, jnp.asarray(lhs), jnp.asarray(rhs))
+  if dtype is None:
+    return op(lhs, rhs, preferred_element_type)
+  if options is None:
+    return op(lhs, rhs, None)
+  return _product(op, options, jnp.asarray(lhs), jnp.asarray(rhs))
 
 
-def einsum(subscripts: str, /, *operands: Any, **kwargs: Any) -> jax.Array:
+def einsum(
+  subscripts: str,
+  /,
+  *operands: Any,
+  output_dtype: Any = None,
+  rhs_grad_dtype: Any = None,
+  **kwargs: Any,
+) -> jax.Array:
   """:func:`jax.numpy.einsum` whose contractions go through :func:`dot_general`.
 
-  Contractions of two 16-bit operands accumulate in fp32 (forward and
-  backward); the result keeps the operands' dtype.
+  ``output_dtype`` and ``rhs_grad_dtype`` are as for :func:`dot_general`; the
+  other arguments are :func:`jax.numpy.einsum`'s.
   """
   if "_dot_general" in kwargs:
     raise TypeError("einsum already contracts with jmp_lite's dot_general; drop _dot_general.")
-  return jnp.einsum(subscripts, *operands, _dot_general=dot_general, **kwargs)
+  if output_dtype is None and rhs_grad_dtype is None:
+    return jnp.einsum(subscripts, *operands, _dot_general=dot_general, **kwargs)
+  if output_dtype is not None:
+    # einsum casts its result to preferred_element_type: ask for the wide one,
+    # which the contraction below then produces itself.
+    kwargs["preferred_element_type"] = output_dtype
+
+  def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+    if output_dtype is not None and preferred_element_type is not None:
+      if np.dtype(preferred_element_type) == np.dtype(output_dtype):
+        preferred_element_type = None
+    return dot_general(
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision,
+      preferred_element_type,
+      output_dtype=output_dtype,
+      rhs_grad_dtype=rhs_grad_dtype,
+      **kw,
+    )
+
+  return jnp.einsum(subscripts, *operands, _dot_general=dot, **kwargs)

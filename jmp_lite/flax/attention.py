@@ -18,7 +18,7 @@ the residual, and ``p`` is saved again in 16 bits for the ``p @ v`` matmul).
 A mask ``m`` (``where=``) is applied inside the softmax, as Flax's attention
 does: :math:`p = \\mathrm{softmax}(\\mathrm{where}(m, z, \\mathrm{finfo.min}))`.
 Masked-out entries get probability 0; a row with every entry masked is uniform
-(``1/n``, Flax's ``dot_product_attention`` convention; :func:`jax.nn.softmax`
+(``1/n`` to one rounding, Flax's ``dot_product_attention`` convention; :func:`jax.nn.softmax`
 with ``where=`` returns 0 there instead) and, since it does not depend on the
 logits, its gradient is 0, as in both. The backward formula is the derivative
 with respect to the *masked* logits, so it is multiplied by ``m``: in a row
@@ -28,8 +28,8 @@ masked row needs a flag saying so. Only that flag, the mask reduced over
 
 >>> m = jnp.array([[True, False, True], [False, False, False]])
 >>> softmax(jnp.zeros((2, 3)), where=m)
-Array([[0.5       , 0.        , 0.5       ],
-       [0.33333334, 0.33333334, 0.33333334]], dtype=float32)
+Array([[0.5      , 0.       , 0.5      ],
+       [0.3333333, 0.3333333, 0.3333333]], dtype=float32)
 >>> jax.grad(lambda z: softmax(z, where=m) @ jnp.arange(3.0) @ jnp.ones(2))(jnp.zeros((2, 3)))
 Array([[-0.5,  0. ,  0.5],
        [ 0. ,  0. ,  0. ]], dtype=float32)
@@ -100,7 +100,13 @@ def _softmax(logits, where, axis):
   x = logits.astype(compute)
   if where is not None:
     x = jnp.where(where, x, jnp.finfo(compute).min)
-  return jax.nn.softmax(x, axis=axis).astype(logits.dtype)
+  shifted = x - jnp.max(x, axis=axis, keepdims=True)
+  log_total = jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
+  # exp(shifted - log_total), not exp(shifted) / total: the two exps differ, so
+  # XLA recomputes the exponential from the 16-bit logits in each of its two
+  # passes instead of writing exp(shifted) out in fp32 (twice the bytes of the
+  # probabilities) to read it back. A fully masked row is 0 - log(n): 1/n each.
+  return jnp.exp(shifted - log_total).astype(logits.dtype)
 
 
 def _softmax_fwd(logits, where, axis):
@@ -118,11 +124,22 @@ def _softmax_bwd(axis, residuals, cotangent):
   # row with an unmasked one have p = 0 already; a fully masked row has
   # uniform p that does not depend on z, and only ``live`` says so.
   compute = jnp.promote_types(probs.dtype, jnp.float32)
-  p, g = probs.astype(compute), cotangent.astype(compute)
-  grad = p * (g - jnp.sum(g * p, axis=axis, keepdims=True))
+  # <dp, p> as a dot product of the 16-bit arrays with an fp32 result: exact
+  # products, an fp32 sum. Widening dp once for both uses instead would let
+  # XLA:GPU fuse that cast into the matmul producing dp, which then writes an
+  # fp32 [heads, q, k] array (twice the bytes of the attention probabilities)
+  # per layer; read as 16 bits by both uses, dp stays 16-bit in memory.
+  inner = jnp.einsum("...k,...k->...", _last(cotangent, axis), _last(probs, axis),
+                     preferred_element_type=compute)  # fmt: skip
+  inner = jnp.expand_dims(inner, axis)
+  grad = probs.astype(compute) * (cotangent.astype(compute) - inner)
   if live is not None:
     grad = jnp.where(live, grad, 0)
   return grad.astype(probs.dtype), None
+
+
+def _last(x: jax.Array, axis: int) -> jax.Array:
+  return jnp.moveaxis(x, axis, -1)
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)

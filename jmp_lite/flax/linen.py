@@ -94,12 +94,18 @@ class _Interceptor:
     policies: ModulePolicies,
     owners: dict[tuple, np.dtype] | None,
     found: dict[str, tuple[str, np.dtype, np.dtype]] | None = None,
+    output_paths: frozenset[tuple] = frozenset(),
   ):
     self.policies = policies
     # While discovering: the compute dtype each module (scope path) reads its params in.
     self.owners = owners
     # Modules whose own dtype= differs from the policy's: path -> (class, dtype, policy dtype).
     self.found = found
+    # Modules whose output is the model's output (found while discovering): they
+    # return the policy's output dtype, and a matmul among them produces it directly.
+    self.wide_paths = output_paths
+    # While discovering: (path, raw output leaves, returned leaves) of each call, in exit order.
+    self.outputs: list[tuple[tuple, list, list]] = []
     self.stack: list[Resolved] = []  # the enclosing module calls, outermost first
 
   def __call__(self, next_fun, args, kwargs, context):
@@ -117,14 +123,17 @@ class _Interceptor:
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
     is_root = not self.stack
+    path = tuple(module.path)
+    is_output = path in self.wide_paths
 
     def call(*args, **kwargs):
       args, kwargs = cast_floating((args, kwargs), resolved.compute_dtype)
       return next_fun(*args, **kwargs)
 
+    updates = self.policies.attribute_updates(module, resolved, wide_output=is_output)
     self.stack.append(resolved)
     try:
-      with _attributes_set(module, self.policies.attribute_updates(module, resolved)):
+      with _attributes_set(module, updates):
         if resolved.recompute and self.owners is None and not _creates_variables(module):
           # The cast happens inside, so the saved inputs are the narrow ones.
           out = recomputed(call, args, kwargs)
@@ -132,7 +141,29 @@ class _Interceptor:
           out = call(*args, **kwargs)
     finally:
       self.stack.pop()
-    return cast_floating(out, resolved.root_output_dtype if is_root else resolved.output_dtype)
+    wide = is_root or is_output
+    returned = cast_floating(out, resolved.root_output_dtype if wide else resolved.output_dtype)
+    if self.owners is not None:
+      leaves = jax.tree_util.tree_leaves
+      self.outputs.append((path, leaves(out), leaves(returned)))
+    return returned
+
+  def output_paths(self) -> frozenset[tuple]:
+    """After discovering: the modules whose output is (part of) the model's output.
+
+    Matched by identity, from the outermost call down: a module is one if
+    what it returned is part of the raw output of one already found (the
+    outermost call is), so the chain from the model down to the layer that
+    computes its output is found. The recorded leaves are alive until now, so
+    their ids are not reused.
+    """
+    found: set[tuple] = set()
+    wanted: set[int] = set()
+    for path, raw, returned in reversed(self.outputs):  # callers exit after their callees
+      if not path or wanted & {id(x) for x in returned}:
+        found.add(path)
+        wanted |= {id(x) for x in raw}
+    return frozenset(found)
 
 
 def _map_params(params: Any, fn: Callable[[tuple, Any], Any]) -> Any:
@@ -178,6 +209,7 @@ def policy_apply(
   use_default_overrides: bool = True,
   fp32_accumulation: bool = True,
   fp32_softmax: bool = True,
+  grad_reduction_dtype: dtypes.DTypeLike | None = None,
   explicit_dtypes: str = "warn",
 ) -> Callable[..., Any]:
   """Returns ``module.apply`` running under ``policy``.
@@ -194,17 +226,20 @@ def policy_apply(
     outputs to its output dtype; the outermost call returns the policy's
     output dtype.
   * Normalization layers and embeddings keep fp32 by default
-    (:data:`~jmp_lite.flax.DEFAULT_OVERRIDES`); attention softmax runs in fp32
-    and 16-bit dense/conv/einsum layers accumulate in fp32 (see
+    (:data:`~jmp_lite.flax.DEFAULT_OVERRIDES`); attention softmax runs in fp32;
+    16-bit dense/conv/einsum layers run 16-bit matmuls as with Flax's
+    ``dtype=`` (accumulated in fp32 by the hardware), and the layer computing
+    the model's output (the logits) returns the output dtype straight from
+    its matmul (see
     :class:`~jmp_lite.flax.ModulePolicies`).
   * If ``"params"`` is mutable, new parameters come back in the param dtype
     and existing ones unchanged.
 
   Works under ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.lax.scan``, and
   with lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) inside the
-  model. Forward-mode differentiation (``jax.jvp``) is not supported with the
-  fp32-accumulating kernels; pass ``fp32_accumulation=False, fp32_softmax=False``
-  for it.
+  model. Forward-mode differentiation (``jax.jvp``) does not go through the
+  fp32 softmax, the fp32 output layer or ``grad_reduction_dtype`` (reverse-mode
+  rules); pass ``fp32_accumulation=False, fp32_softmax=False`` for it.
 
   Args:
     module: an unbound linen module, written with default dtypes (a module
@@ -212,8 +247,9 @@ def policy_apply(
       and is named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning`, once
       per trace; see ``explicit_dtypes``).
     policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides, use_default_overrides, fp32_accumulation, fp32_softmax, explicit_dtypes: see
-      :class:`~jmp_lite.flax.ModulePolicies`.
+    overrides: see :class:`~jmp_lite.flax.ModulePolicies`, as for
+      ``use_default_overrides``, ``fp32_accumulation``, ``fp32_softmax``,
+      ``grad_reduction_dtype`` and ``explicit_dtypes``.
 
   Example::
 
@@ -241,6 +277,7 @@ def policy_apply(
     use_default_overrides=use_default_overrides,
     fp32_accumulation=fp32_accumulation,
     fp32_softmax=fp32_softmax,
+    grad_reduction_dtype=grad_reduction_dtype,
     explicit_dtypes=explicit_dtypes,
   )
   return _make_apply(module, policies)
@@ -267,8 +304,17 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     # Which module owns each parameter: trace abstractly, recording the scope
     # path and effective compute dtype of every intercepted module call.
     owners: dict[tuple, np.dtype] = {}
-    with nn.intercept_methods(_Interceptor(policies, owners)):
-      jax.eval_shape(lambda v: (run(v), None)[1], variables)
+    discover = _Interceptor(policies, owners)
+    output_paths: frozenset[tuple] = frozenset()
+
+    def trace(v):
+      nonlocal output_paths
+      run(v)
+      output_paths = discover.output_paths()
+      discover.outputs.clear()
+
+    with nn.intercept_methods(discover):
+      jax.eval_shape(trace, variables)
 
     def cast_param(path, value):
       dtype = nearest(path[:-1], owners)
@@ -277,7 +323,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
     if isinstance(variables, FrozenDict):
       cast = FrozenDict(cast)
-    with nn.intercept_methods(_Interceptor(policies, None, found)):
+    with nn.intercept_methods(_Interceptor(policies, None, found, output_paths)):
       out = run(cast)
     _warn(policies, found, "policy_apply")
 
@@ -319,6 +365,7 @@ def policy_init(
   use_default_overrides: bool = True,
   fp32_accumulation: bool = True,
   fp32_softmax: bool = True,
+  grad_reduction_dtype: dtypes.DTypeLike | None = None,
   explicit_dtypes: str = "warn",
 ) -> Callable[..., Any]:
   """Returns ``module.init`` running under ``policy``, with params in the param dtype.
@@ -339,6 +386,7 @@ def policy_init(
     use_default_overrides=use_default_overrides,
     fp32_accumulation=fp32_accumulation,
     fp32_softmax=fp32_softmax,
+    grad_reduction_dtype=grad_reduction_dtype,
     explicit_dtypes=explicit_dtypes,
   )
 

@@ -39,6 +39,7 @@ instead, ``explicit_dtypes="keep"`` keeps them without the warning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -67,6 +68,17 @@ class ExplicitDtypeWarning(UserWarning):
   :func:`~jmp_lite.flax.policy_init` and :func:`~jmp_lite.flax.policy_view`
   (with ``explicit_dtypes="warn"``, the default), naming every such module.
   """
+
+
+def _check_grad_reduction_dtype(value: Any) -> np.dtype | None:
+  if value is None:
+    return None
+  dtype = dtypes.parse_dtype(value)
+  if dtype != _F32:
+    raise ValueError(
+      f"grad_reduction_dtype must be None (the compute dtype) or float32, got {value!r}."
+    )
+  return dtype
 
 
 def _check_dtype(value: Any, name: str) -> np.dtype | None:
@@ -292,10 +304,20 @@ class ModulePolicies:
       follow the policy, or the enclosing module), e.g. ``{nn.LayerNorm: None}``.
     use_default_overrides: start from :data:`DEFAULT_OVERRIDES` (default) or
       from no overrides.
-    fp32_accumulation: give Flax's dense, convolution and einsum layers the
-      fp32-accumulating kernels when they compute in 16 bits.
+    fp32_accumulation: give Flax's dense, convolution and einsum layers
+      jmp_lite's kernels when they compute in 16 bits: 16-bit matmuls, which
+      every backend accumulates in fp32 (stated in the program on TPU; see
+      :mod:`jmp_lite.flax.accumulate`), and an fp32 result for the layer that
+      produces the model's fp32 output (the logits before the loss).
     fp32_softmax: give Flax's attention layers :func:`dot_product_attention`
       (fp32 softmax, fp32 accumulation) when they compute in 16 bits.
+    grad_reduction_dtype: ``None`` (default) or ``float32``: the dtype in which
+      the kernel gradients of 16-bit dense, convolution and einsum layers
+      leave their matmuls. ``None`` keeps them in the compute dtype, as Flax's
+      16-bit layers do, so that under data parallelism or FSDP the
+      cross-device reduction of the per-device partial gradients moves 16-bit
+      values; ``float32`` reduces in fp32 (twice the bytes) and rounds the sum
+      once to the compute dtype.
     explicit_dtypes: what happens to a module whose own ``dtype`` attribute
       (``nn.Dense(..., dtype=jnp.float32)``) differs from the compute dtype the
       policy gives it. ``"warn"`` (default): it keeps its dtype, as an island
@@ -321,9 +343,11 @@ class ModulePolicies:
     use_default_overrides: bool = True,
     fp32_accumulation: bool = True,
     fp32_softmax: bool = True,
+    grad_reduction_dtype: dtypes.DTypeLike | None = None,
     explicit_dtypes: str = "warn",
   ):
     self.policy = get_policy(policy)
+    self.grad_reduction_dtype = _check_grad_reduction_dtype(grad_reduction_dtype)
     if explicit_dtypes not in EXPLICIT_DTYPES:
       raise ValueError(
         f"explicit_dtypes must be one of {', '.join(map(repr, EXPLICIT_DTYPES))}; got "
@@ -377,6 +401,7 @@ class ModulePolicies:
       ),
       self.fp32_accumulation,
       self.fp32_softmax,
+      self.grad_reduction_dtype,
       self.explicit_dtypes,
     )
 
@@ -457,13 +482,31 @@ class ModulePolicies:
       )
     return self._cache[key]
 
-  def attribute_updates(self, module: Any, resolved: Resolved | None = None) -> dict[str, Any]:
+  def attribute_updates(
+    self, module: Any, resolved: Resolved | None = None, *, wide_output: bool = False
+  ) -> dict[str, Any]:
     """Attributes to set on ``module`` while it runs (hooks, then the user's).
 
     ``resolved`` is the module's :class:`Resolved` (default: at the top).
+    ``wide_output``: the module's output is the model's output, in the
+    policy's output dtype; its matmul then produces that dtype directly.
     """
     resolved = resolved or self.resolve(type(module), None, explicit_dtype(module))
-    updates = {h.attribute: h.replacement for h in resolved.hooks if h.is_default(module)}
+    options: dict[str, Any] = {}
+    if self.grad_reduction_dtype is not None:
+      options["rhs_grad_dtype"] = self.grad_reduction_dtype
+    if wide_output and np.dtype(resolved.root_output_dtype) == _F32:
+      options["output_dtype"] = _F32
+    updates = {
+      h.attribute: (
+        functools.partial(h.replacement, **options)
+        if options and h.kind == "accumulation"
+        else h.replacement
+      )
+      for h in resolved.hooks
+      # (a layer already given jmp_lite's kernel, e.g. by policy_view, may get its options)
+      if h.is_default(module) or getattr(module, h.attribute, None) is h.replacement
+    }
     if resolved.explicit_dtype is not None and self.explicit_dtypes == "policy":
       updates["dtype"] = resolved.compute_dtype
     for name, value in resolved.attributes.items():

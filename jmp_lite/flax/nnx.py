@@ -37,10 +37,13 @@ included: NNX does not let an inner trace split a model from an outer one.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -61,6 +64,17 @@ from jmp_lite.policy import Policy
 M = TypeVar("M", bound=nnx.Module)
 
 
+# While a view's output chain is being discovered: (path, raw output leaves,
+# returned leaves) of every wrapped call, in exit order.
+_DISCOVERY: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+  "jmp_lite_policy_view_discovery", default=None
+)
+
+
+# Views whose output chain is not discovered yet (until their first call).
+_UNDISCOVERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class PolicyModule(nnx.Module):
   """Wraps one module of a :func:`policy_view`: casts its calls' inputs and outputs.
 
@@ -75,11 +89,13 @@ class PolicyModule(nnx.Module):
     compute_dtype: np.dtype,
     output_dtype: np.dtype,
     recompute: bool = False,
+    path: tuple = (),
   ):
     self.module = module
     self._compute_dtype = np.dtype(compute_dtype)
     self._output_dtype = np.dtype(output_dtype)
     self._recompute = bool(recompute)
+    self._path = tuple(path)
 
   def _cast_call(self, fn, *args, **kwargs):
     def call(*args, **kwargs):
@@ -88,10 +104,56 @@ class PolicyModule(nnx.Module):
 
     # Under recompute the cast happens inside, so the saved inputs are the narrow ones.
     out = recomputed(call, args, kwargs) if self._recompute else call(*args, **kwargs)
-    return cast_floating(out, self._output_dtype)
+    returned = cast_floating(out, self._output_dtype)
+    record = _DISCOVERY.get()
+    if record is not None:
+      leaves = jax.tree_util.tree_leaves
+      record.append((self._path, leaves(out), leaves(returned)))
+    return returned
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    pending = _UNDISCOVERED.pop(self, None)
+    if pending is not None and _DISCOVERY.get() is None:
+      policies, resolved, wrappers = pending
+      self._widen_output_layers(policies, resolved, wrappers, args, kwargs)
     return self._cast_call(self.module, *args, **kwargs)
+
+  def _widen_output_layers(
+    self,
+    policies: ModulePolicies,
+    resolved: Mapping[tuple, Resolved],
+    wrappers: Mapping[tuple, PolicyModule],
+    args: tuple,
+    kwargs: dict,
+  ) -> None:
+    """Lets the layers that compute the view's output produce the output dtype.
+
+    Once, on the first call: an abstract trace (``nnx.eval_shape``, on a copy
+    of the view) finds the chain of modules whose output is the view's output
+    by identity (as in :func:`~jmp_lite.flax.policy_apply`); their kernels then
+    return the policy's output dtype (fp32 logits) instead of a rounded one.
+    """
+    record: list = []
+    token = _DISCOVERY.set(record)
+    try:
+      nnx.eval_shape(lambda view, a, k: view(*a, **k), self, args, kwargs)
+    finally:
+      _DISCOVERY.reset(token)
+    found: set[tuple] = set()
+    wanted: set[int] = set()
+    for path, raw, returned in reversed(record):  # callers exit after their callees
+      if not path or wanted & {id(x) for x in returned}:
+        found.add(path)
+        wanted |= {id(x) for x in raw}
+    for path in found:
+      wrapper = wrappers[path]
+      updates = policies.attribute_updates(wrapper.module, resolved[path], wide_output=True)
+      # Static attributes of the view's own objects. The first call may be
+      # inside a transform (vmap, scan) below the trace the view was built at,
+      # where NNX refuses setattr; nothing traced is stored.
+      object.__setattr__(wrapper, "_output_dtype", np.dtype(policies.policy.output_dtype))
+      for name, value in updates.items():
+        object.__setattr__(wrapper.module, name, value)
 
   def __getattr__(self, name: str) -> Any:
     # Only reached for names PolicyModule itself lacks. NNX reads private
@@ -128,6 +190,7 @@ def policy_view(
   use_default_overrides: bool = True,
   fp32_accumulation: bool = True,
   fp32_softmax: bool = True,
+  grad_reduction_dtype: dtypes.DTypeLike | None = None,
   explicit_dtypes: str = "warn",
 ) -> M:
   """Returns a view of ``model`` that runs under ``policy`` (``model`` is untouched).
@@ -142,7 +205,12 @@ def policy_view(
   Works under ``nnx.jit``/``jax.jit``, ``nnx.grad``/``jax.grad``, ``vmap`` and
   ``scan``, and with lifted transforms (``nnx.scan``, ``nnx.remat``,
   ``nnx.vmap``) inside the model. Forward-mode differentiation needs
-  ``fp32_accumulation=False, fp32_softmax=False``.
+  ``fp32_accumulation=False, fp32_softmax=False`` (the fp32 softmax and the
+  fp32 output layer have reverse-mode rules only).
+
+  On its first call the view traces the model once more, abstractly, to find
+  the layers that compute its output (as :func:`~jmp_lite.flax.policy_apply`
+  does): they return the policy's output dtype straight from their matmuls.
 
   Args:
     model: an NNX module written with default dtypes (a module built with
@@ -150,8 +218,9 @@ def policy_view(
       named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning` when the view
       is built; see ``explicit_dtypes``).
     policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides, use_default_overrides, fp32_accumulation, fp32_softmax, explicit_dtypes: see
-      :class:`~jmp_lite.flax.ModulePolicies`.
+    overrides: see :class:`~jmp_lite.flax.ModulePolicies`, as for
+      ``use_default_overrides``, ``fp32_accumulation``, ``fp32_softmax``,
+      ``grad_reduction_dtype`` and ``explicit_dtypes``.
 
   Returns:
     A :class:`PolicyModule` wrapping the low-precision copy of ``model``;
@@ -180,6 +249,7 @@ def policy_view(
     use_default_overrides=use_default_overrides,
     fp32_accumulation=fp32_accumulation,
     fp32_softmax=fp32_softmax,
+    grad_reduction_dtype=grad_reduction_dtype,
     explicit_dtypes=explicit_dtypes,
   )
   view, found = _view(model, policies)
@@ -212,17 +282,23 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   view = nnx.merge(graphdef, nnx.map_state(cast_param, params), rest, copy=False)
 
+  wrappers: dict[tuple, PolicyModule] = {}
+
   def wrap(path: tuple, node: Any) -> Any:
     if tuple(path) in resolved and not isinstance(node, PolicyModule):
       r = resolved[tuple(path)]
       for name, value in policies.attribute_updates(node, r).items():
         setattr(node, name, value)  # node belongs to the view, not to the model
       output = r.root_output_dtype if not path else r.output_dtype
-      return PolicyModule(node, r.compute_dtype, output, r.recompute)
+      wrappers[tuple(path)] = PolicyModule(node, r.compute_dtype, output, r.recompute, path)
+      return wrappers[tuple(path)]
     return node
 
   try:
-    return nnx.recursive_map(wrap, view, graph=True), found
+    root = nnx.recursive_map(wrap, view, graph=True)
+    if isinstance(root, PolicyModule) and np.dtype(policies.policy.output_dtype).itemsize == 4:
+      _UNDISCOVERED[root] = (policies, resolved, wrappers)
+    return root, found
   except ValueError as e:
     if "does not support mutation" not in str(e):
       raise

@@ -152,45 +152,77 @@ def products(jaxpr) -> list:
   return [e for e in eqns(jaxpr) if e.primitive.name in ("dot_general", "conv_general_dilated")]
 
 
-def check_fp32_accumulation(jaxpr, narrow: np.dtype = BF16) -> int:
-  """Asserts every matmul/conv on ``narrow`` operands accumulates in fp32.
+def _is_matrix_product(eqn) -> bool:
+  """Whether both operands of a dot_general have a free dimension (and the result >1 element)."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = (v.aval.shape for v in eqn.invars)
+  lhs_free = [n for d, n in enumerate(lhs) if d not in (*lc, *lb)]
+  rhs_free = [n for d, n in enumerate(rhs) if d not in (*rc, *rb)]
+  return bool(lhs_free and rhs_free) and int(np.prod(lhs_free + rhs_free)) > 1
 
-  Returns how many there are, so that callers can check the test is not vacuous.
+
+def check_lean_products(jaxpr, narrow: np.dtype = BF16, *, wide: int = 0, declared=None) -> int:
+  """Asserts every matmul/conv on ``narrow`` operands is a 16-bit product.
+
+  Both operands are ``narrow`` and so is the result, as in a Flax layer built
+  with ``dtype=narrow`` (the backends accumulate such products in fp32; see
+  :mod:`jmp_lite.flax.accumulate`), except exactly ``wide`` fp32 results (the
+  layer computing a model's fp32 output). Dots state ``declared`` as their
+  precision (the fp32-accumulation preset where the platform takes it; None
+  on CPU) unless they are not matrix products. Returns how many products there
+  are, so that callers can check the test is not vacuous.
   """
-  count = 0
+  count = found_wide = 0
   for eqn in products(jaxpr):
     dtypes = in_dtypes(eqn)
-    if narrow in dtypes:
-      assert dtypes == (narrow, narrow), f"mixed operands {dtypes} in {eqn}"
-      assert eqn.params["preferred_element_type"] == F32, f"16-bit accumulation: {eqn}"
-      assert out_dtype(eqn) == F32, eqn
-      count += 1
-    assert out_dtype(eqn).itemsize >= 4, f"a matmul/conv produces 16-bit values: {eqn}"
+    if narrow not in dtypes:
+      continue
+    assert dtypes == (narrow, narrow), f"mixed operands {dtypes} in {eqn}"
+    if out_dtype(eqn) == F32:
+      found_wide += 1
+    else:
+      assert out_dtype(eqn) == narrow, f"a {out_dtype(eqn)} result: {eqn}"
+      assert eqn.params["preferred_element_type"] in (None, narrow), eqn
+    if eqn.primitive.name == "dot_general" and _is_matrix_product(eqn):
+      assert eqn.params["precision"] == declared, f"precision {eqn.params['precision']}: {eqn}"
+    count += 1
+  assert found_wide == wide, f"{found_wide} fp32 results, expected {wide}"
   return count
 
 
 _HLO_OP = re.compile(
-  r"stablehlo\.(dot_general|convolution)\b.*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)"
+  r"stablehlo\.(dot_general|convolution)\b(.*?):\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)"
   r"\s*->\s*tensor<([^>]*)>"
 )
 
 
-def hlo_products(text: str) -> list[tuple[str, str, str, str]]:
-  """(op, lhs type, rhs type, result type) of every dot/conv in StableHLO text."""
+def hlo_products(text: str) -> list[tuple[str, str, str, str, str]]:
+  """(op, attributes, lhs type, rhs type, result type) of every dot/conv in StableHLO text."""
   return [m.groups() for m in _HLO_OP.finditer(text)]
 
 
-def check_hlo_fp32_accumulation(text: str, narrow: str = "bf16") -> int:
-  """Asserts every dot/conv with ``narrow`` operands in lowered HLO returns f32."""
-  count = 0
+def check_hlo_products(
+  text: str, narrow: str = "bf16", *, wide: int = 0, declared: bool = False
+) -> int:
+  """Asserts every dot/conv with ``narrow`` operands in lowered HLO is a 16-bit product.
+
+  Exactly ``wide`` of them return f32; with ``declared``, every such dot
+  states fp32 accumulation in its algorithm.
+  """
+  count = found_wide = 0
   ops = hlo_products(text)
   assert ops, "no dot_general/convolution found in the HLO"
-  for op, lhs, rhs, result in ops:
+  for op, attributes, lhs, rhs, result in ops:
     if lhs.endswith(narrow) or rhs.endswith(narrow):
       assert lhs.endswith(narrow) and rhs.endswith(narrow), (op, lhs, rhs)
-      assert result.endswith("f32"), f"{op} ({lhs}, {rhs}) -> {result} accumulates in 16 bits"
+      if result.endswith("f32"):
+        found_wide += 1
+      else:
+        assert result.endswith(narrow), f"{op} ({lhs}, {rhs}) -> {result}"
+      stated = "accumulation_type = f32" in attributes
+      assert stated == (declared and op == "dot_general"), (op, attributes)
       count += 1
-    assert not result.endswith(("bf16", "f16")), (op, lhs, rhs, result)
+  assert found_wide == wide, f"{found_wide} f32 results, expected {wide}"
   return count
 
 

@@ -2,10 +2,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax_testing import BF16, F16, F32, check_fp32_accumulation, check_hlo_fp32_accumulation
+from flax_testing import BF16, F16, F32, check_hlo_products, check_lean_products, products
 from jax import lax
 
 import jmp_lite.flax as jlf
+from jmp_lite.flax import accumulate
 
 DOT_CASES = [
   # (lhs shape, rhs shape, dimension numbers)
@@ -53,7 +54,9 @@ def _compare(ours, ref, operands, weights_seed=2):
   "dtype, lhs_shape, rhs_shape, dims",
   [(BF16, *case) for case in DOT_CASES] + [(F16, *DOT_CASES[1])],
 )
-def test_dot_general_matches_fp32_forward_and_backward(dtype, lhs_shape, rhs_shape, dims):
+def test_dot_general_is_jaxs_16bit_product(dtype, lhs_shape, rhs_shape, dims):
+  # On CPU nothing is declared: the kernel is exactly JAX's 16-bit product,
+  # forward and backward (the same matmuls as a Flax layer with dtype=bf16).
   x, y = _random(lhs_shape, 0, dtype), _random(rhs_shape, 1, dtype)
   ours = lambda a, b: jlf.dot_general(a, b, dims)
   ref = lambda a, b: lax.dot_general(a, b, dims)
@@ -64,17 +67,110 @@ def test_dot_general_matches_fp32_forward_and_backward(dtype, lhs_shape, rhs_sha
   for g, r in zip(grads, ref_grads, strict=True):
     assert g.dtype == dtype and g.shape == r.shape
     np.testing.assert_allclose(f32(g), r, atol=4 * eps * float(np.abs(r).max()))
-  # Forward and both backward products: 16-bit operands, fp32 accumulation.
-  assert check_fp32_accumulation(jaxpr, dtype) >= 3
-  assert check_hlo_fp32_accumulation(hlo, "bf16" if dtype == BF16 else "f16") >= 3
+  assert check_lean_products(jaxpr, dtype) == 3  # forward, both gradients
+  assert check_hlo_products(hlo, "bf16" if dtype == BF16 else "f16") == 3
+  plain = jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(ref(a, b).astype(F32) ** 2)))(x, y)
+  assert str(plain) == str(
+    jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(ours(a, b).astype(F32) ** 2)))(x, y)
+  )
 
 
-def test_jax_default_accumulates_in_16_bits():
-  # Why jmp_lite's kernels exist: JAX asks for a bf16 result, and the check sees it.
-  x = jnp.ones((4, 8), BF16)
-  jaxpr = jax.make_jaxpr(lambda a: a @ a.T)(x)
-  with pytest.raises(AssertionError, match="16-bit"):
-    check_fp32_accumulation(jaxpr)
+def _exact_case(dtype, k):
+  """Integer operands whose fp32 sums are exact and whose 16-bit sums are not.
+
+  Row 0 of ``x`` is [2^9, 1, 1, ...]: a 16-bit accumulator stops growing at
+  2^9 + 2^9 * eps, an fp32 one reaches 2^9 + k - 1 exactly.
+  """
+  rng = np.random.default_rng(k)
+  x = rng.integers(-2, 3, (3, k)).astype(np.float32)
+  x[0] = 1.0
+  x[0, 0] = 512.0
+  w = rng.integers(-2, 3, (k, 4)).astype(np.float32)
+  w[:, 0] = 1.0
+  return x, w
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_cpu_accumulates_16bit_products_in_fp32(dtype):
+  # What the kernels rely on where nothing is declared (XLA:CPU): forward and
+  # both gradient products equal the exact sum, rounded once to 16 bits.
+  x, w = _exact_case(dtype, 1024)
+  dims = (((1,), (0,)), ((), ()))
+  g = np.ones((3, 4), np.float32)
+  run = jax.jit(
+    lambda x, w, g: (
+      jlf.dot_general(x, w, dims),
+      *jax.vjp(lambda a, b: jlf.dot_general(a, b, dims), x, w)[1](g),
+    )
+  )
+  out, dx, dw = run(*(jnp.asarray(a, dtype) for a in (x, w, g)))
+  rounded = lambda a: np.asarray(jnp.asarray(a, dtype)).astype(np.float32)  # one rounding
+  np.testing.assert_array_equal(f32(out), rounded(x @ w))
+  np.testing.assert_array_equal(f32(dx), rounded(g @ w.T))
+  np.testing.assert_array_equal(f32(dw), rounded(x.T @ g))
+  assert f32(out)[0, 0] == rounded(512.0 + 1023)  # a 16-bit accumulator stalls at 512 + 512 * eps
+
+
+@pytest.mark.parametrize(
+  "platform, dtype, declared",
+  [
+    # XLA:GPU honours the preset but emits every declared dot as a Triton gemm, never cuBLAS.
+    ("gpu", BF16, None),
+    ("gpu", F16, None),
+    ("tpu", BF16, lax.DotAlgorithmPreset.BF16_BF16_F32),
+    ("tpu", F16, None),  # no fp16 matrix unit
+    ("cpu", BF16, None),  # the preset fails for fp16 and single-element dots there
+  ],
+)
+def test_accumulation_is_declared_where_it_costs_nothing(monkeypatch, platform, dtype, declared):
+  monkeypatch.setattr(accumulate, "_platform", lambda: platform)
+  x, y = _random((4, 8), 0, dtype), _random((8, 3), 1, dtype)
+  dims = (((1,), (0,)), ((), ()))
+  loss = lambda a, b: jnp.sum(jlf.dot_general(a, b, dims).astype(F32) ** 2)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, y)
+  assert check_lean_products(jaxpr, dtype, declared=declared) == 3
+  lowering = {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}[platform]
+  hlo = jax.jit(jax.grad(loss, (0, 1))).trace(x, y).lower(lowering_platforms=(lowering,)).as_text()
+  narrow = "bf16" if dtype == BF16 else "f16"
+  assert check_hlo_products(hlo, narrow, declared=declared is not None) == 3
+  # Not matrix products (an operand without a free dimension): nothing declared.
+  v = _random((8,), 2, dtype)
+  for lhs, rhs, d in ((v, v, (((0,), (0,)), ((), ()))), (x, v, (((1,), (0,)), ((), ())))):
+    (eqn,) = products(jax.make_jaxpr(lambda a, b, d=d: jlf.dot_general(a, b, d))(lhs, rhs))
+    assert eqn.params["precision"] is None
+
+
+def test_wide_output_and_wide_weight_gradient():
+  x, w = _random((4, 8), 0, BF16), _random((8, 3), 1, BF16)
+  dims = (((1,), (0,)), ((), ()))
+  exact = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=F32)
+  plain = lambda a, b: lax.dot_general(a, b, dims)
+  # output_dtype: the unrounded fp32 product; its gradients are 16-bit products
+  # of the cotangent rounded once.
+  wide = lambda a, b: jlf.dot_general(a, b, dims, output_dtype=F32)
+  np.testing.assert_array_equal(wide(x, w), exact(x, w))
+  g = _random((4, 3), 3, F32)
+  grads = jax.vjp(wide, x, w)[1](g)
+  ref = jax.vjp(plain, x, w)[1](g.astype(BF16))
+  for a, b in zip(grads, ref, strict=True):
+    assert a.dtype == BF16
+    np.testing.assert_array_equal(f32(a), f32(b))
+  jaxpr = jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(wide(a, b) ** 2), (0, 1)))(x, w)
+  assert check_lean_products(jaxpr, wide=1) == 3
+  # rhs_grad_dtype: the weight gradient leaves its matmul in fp32 and is rounded once.
+  reduced = lambda a, b: jlf.dot_general(a, b, dims, rhs_grad_dtype=F32)
+  gb = g.astype(BF16)
+  dx, dw = jax.vjp(reduced, x, w)[1](gb)
+  np.testing.assert_array_equal(f32(dx), f32(ref[0]))
+  dw_exact = lax.dot_general(x, gb, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+  np.testing.assert_array_equal(f32(dw), f32(dw_exact.astype(BF16)))
+  jaxpr = jax.make_jaxpr(lambda a, b, c: jax.vjp(reduced, a, b)[1](c))(x, w, gb)
+  assert check_lean_products(jaxpr, wide=1) == 3  # the (dead) forward, both gradients
+  # Under vmap and jit too.
+  batched = jax.jit(jax.vmap(lambda a, c: jax.vjp(reduced, a, w)[1](c)))(x[None], gb[None])
+  np.testing.assert_array_equal(f32(batched[1][0]), f32(dw))
+  with pytest.raises(ValueError, match="output_dtype must be None or float32"):
+    jlf.dot_general(x, w, dims, output_dtype=jnp.float16)
 
 
 @pytest.mark.parametrize(
@@ -112,8 +208,16 @@ def test_conv_general_dilated_matches_fp32(strides, padding, lhs_dilation, rhs_d
   for g, r in zip(grads, ref_grads, strict=True):
     assert g.dtype == BF16
     np.testing.assert_allclose(f32(g), r, atol=0.02 * float(np.abs(r).max()))
-  assert check_fp32_accumulation(jaxpr) >= 3  # forward, input gradient, weight gradient
-  assert check_hlo_fp32_accumulation(hlo) == 3
+  assert check_lean_products(jaxpr) == 3  # forward, input gradient, weight gradient
+  assert check_hlo_products(hlo) == 3
+  # The kernel gradient in fp32 (rounded once): what an fp32 reduction under FSDP sums.
+  wide = lambda a, b: jlf.conv_general_dilated(a, b, rhs_grad_dtype=F32, **kwargs)
+  g = _random(out.shape, 3, BF16)
+  dx, dw = jax.vjp(wide, x, w)[1](g)
+  ref_dx, _ = jax.vjp(ref, x, w)[1](g)
+  np.testing.assert_array_equal(f32(dx), f32(ref_dx))
+  exact_dw = jax.vjp(lambda b: ref(x.astype(F32), b), w.astype(F32))[1](g.astype(F32))[0]
+  np.testing.assert_allclose(f32(dw), exact_dw, rtol=2**-8, atol=1e-6)
 
 
 def test_einsum_contracts_through_fp32_accumulation():
@@ -126,7 +230,11 @@ def test_einsum_contracts_through_fp32_accumulation():
   np.testing.assert_allclose(
     f32(grads[0]), ref_grads[0], atol=0.02 * float(np.abs(ref_grads[0]).max())
   )
-  assert check_fp32_accumulation(jaxpr) >= 3
+  assert check_lean_products(jaxpr) == 3
+  wide = jlf.einsum("bqhd,bkhd->bhqk", q, k, output_dtype=F32)
+  np.testing.assert_array_equal(
+    wide, jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32)
+  )
   with pytest.raises(TypeError, match="_dot_general"):
     jlf.einsum("ij,jk->ik", q[0, 0], k[0, 0].T, _dot_general=lax.dot_general)
 
@@ -147,13 +255,15 @@ def test_transforms_jit_vmap_scan():
   per_example, (total, looped) = run(w, x)
   np.testing.assert_array_equal(per_example, looped)
   np.testing.assert_allclose(total, f32(looped).sum(0), rtol=1e-6)
-  # Checkpointed: the recomputed forward accumulates in fp32 too.
+  # Checkpointed: the recomputed forward is a 16-bit product too.
   jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(loss)))(w, x[0])
-  assert check_fp32_accumulation(jaxpr) >= 2
+  assert check_lean_products(jaxpr) >= 2
 
 
-def test_forward_mode_is_rejected_clearly():
+def test_forward_mode_works_without_options_and_is_refused_with_them():
   dims = (((1,), (0,)), ((), ()))
-  x = jnp.ones((2, 2), BF16)
+  x = _random((2, 2), 0, BF16)
+  tangent = jax.jvp(lambda a: jlf.dot_general(a, a, dims), (x,), (x,))[1]
+  np.testing.assert_array_equal(f32(tangent), f32(jax.jvp(lambda a: a @ a, (x,), (x,))[1]))
   with pytest.raises(TypeError, match="custom_vjp"):
-    jax.jvp(lambda a: jlf.dot_general(a, a, dims), (x,), (x,))
+    jax.jvp(lambda a: jlf.dot_general(a, a, dims, output_dtype=F32), (x,), (x,))

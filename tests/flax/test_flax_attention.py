@@ -4,7 +4,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_testing import BF16, F32, check_fp32_accumulation, eqns, primitive_dtypes
+from flax_testing import (
+  BF16,
+  F32,
+  check_lean_products,
+  eqns,
+  in_dtypes,
+  out_dtype,
+  primitive_dtypes,
+  products,
+)
 
 import jmp_lite.flax as jlf
 
@@ -125,7 +134,11 @@ def test_dot_product_attention_accumulates_in_fp32_forward_and_backward():
   q = _random((2, 5, 2, 4), 0, BF16)
   loss = lambda q: jlf.dot_product_attention(q, q, q).astype(F32).sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss))(q)
-  assert check_fp32_accumulation(jaxpr) >= 6  # 2 forward, 4 backward matmuls
+  # 2 forward, 4 backward matmuls, and the softmax backward's row sums <dp, p>: a
+  # dot product of the 16-bit arrays with an fp32 result, so dp is never widened.
+  assert check_lean_products(jaxpr, wide=1) >= 7
+  (row_sums,) = [e for e in products(jaxpr) if out_dtype(e) == F32]
+  assert in_dtypes(row_sums) == (BF16, BF16) and row_sums.outvars[0].aval.shape == (2, 2, 5)
   assert primitive_dtypes(jaxpr, "exp") == {F32}
 
 

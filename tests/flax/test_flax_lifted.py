@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax_testing import BF16, F32, check_fp32_accumulation, eqns, in_dtypes, jit, products
+from flax_testing import BF16, F32, check_lean_products, eqns, in_dtypes, jit, products
 
 import jmp_lite.flax as jlf
 
@@ -109,7 +109,7 @@ def _check_close(got, want, *, exact: bool):
 def _check_bf16_everywhere(jaxpr):
   """Every matmul runs in bf16 with fp32 accumulation, also inside the lifted transforms."""
   found = products(jaxpr)
-  assert found and check_fp32_accumulation(jaxpr) == len(found)
+  assert found and check_lean_products(jaxpr) == len(found)
   kinds = {"scan": "scan", "remat2": "remat", "checkpoint": "remat"}  # JAX's primitive names
   bodies = {"scan": 0, "remat": 0}
   for eqn in eqns(jaxpr):
@@ -118,8 +118,9 @@ def _check_bf16_everywhere(jaxpr):
       assert all(in_dtypes(e) == (BF16, BF16) for e in inner), eqn.primitive.name
       bodies[kinds[eqn.primitive.name]] += len(inner)
   # Forward and backward scans: 2 products per block forward (recomputed in the
-  # backward scan) and 4 backward; remat bodies hold the recomputed forward.
-  assert bodies["scan"] >= 2 + 6 and bodies["remat"] >= 2, bodies
+  # backward scan) and 3 or 4 backward (the gradient of the first layer's
+  # input, the data, is not computed); remat bodies hold the recomputed forward.
+  assert bodies["scan"] >= 2 + 5 and bodies["remat"] >= 2, bodies
   # The vmapped heads: products whose kernel operand carries the ensemble axis.
   heads = [
     e for e in found if e.invars[1].aval.shape[0] == ENSEMBLE and OUT in e.invars[1].aval.shape

@@ -1,0 +1,218 @@
+"""The GPU benchmark script (benchmarks/gpu.py) in its tiny --smoke mode, on any backend.
+
+The smoke run checks the structure of what the script writes and that every recipe and probe
+case produced a figure or a recorded error; the helpers that read GPU HLO and classify
+accumulators are checked against hand-made inputs, since no GPU runs here.
+"""
+
+import gzip
+import json
+import math
+import sys
+import time
+import types
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from benchmarks import gpu
+
+SMOKE_SECTIONS = "probe,recipes,sizes"  # fp8_check is tested with a stand-in module below
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  out = tmp_path_factory.mktemp("gpu")
+  result = gpu.main(["--smoke", "--out", str(out), "--only", SMOKE_SECTIONS, "--save-hlo"])
+  written = json.loads((out / "gpu.json").read_text())
+  return result, written, (out / "gpu.md").read_text(), out
+
+
+def _is_time(x):
+  return isinstance(x, float) and x > 0 and math.isfinite(x)
+
+
+def test_smoke_writes_every_recipe(smoke):
+  result, written, md, out = smoke
+  width = gpu.SMOKE.model["width"]
+  for name in gpu.SAVED_HLO:
+    with gzip.open(out / f"hlo_{name}_d{width}.txt.gz", "rt") as f:
+      assert "HloModule" in f.read()
+  assert written["sections"].keys() == {"probe", "recipes", "sizes"}
+  assert written["env"]["jax"] and written["env"]["device_kind"]
+  s = gpu.SMOKE
+  rows = written["sections"]["recipes"]["rows"]
+  assert list(rows) == list(gpu.RECIPES)  # the issue's order
+  for name, row in rows.items():
+    assert row["label"] in md
+    if "error" in row:
+      assert isinstance(row["error"], str) and row["error"]
+      continue
+    assert _is_time(row["ms"]), (name, row)
+    assert len(row["losses"]) == s.warmup + s.rounds * s.steps
+    assert all(math.isfinite(x) for x in row["losses"]), name
+    assert row["final_loss"] == row["losses"][-1]
+    assert set(row["gemms"]) == {"cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "cudnn"}
+  # Every recipe runs on CPU; each reference's ratio to itself is exactly 1.
+  assert not [name for name, row in rows.items() if "ms" not in row]
+  for ref in gpu.REFERENCES:
+    assert rows[ref][f"x_{ref}"] == 1.0
+  assert _is_time(written["sections"]["recipes"]["loss_scaling_cost"])
+  assert written["skipped"] == []
+  assert result["sections"]["recipes"]["rows"] == rows
+
+
+def test_smoke_sizes_reuse_the_recipes_rows(smoke):
+  _, written, md, _ = smoke
+  sizes = written["sections"]["sizes"]["rows"]
+  assert [(r["config"]["width"], r["config"]["layers"]) for r in sizes] == list(gpu.SMOKE.sizes)
+  recipes = written["sections"]["recipes"]["rows"]
+  assert sizes[0]["reused"] == "recipes"
+  assert sizes[0]["recipes"] == {n: recipes[n] for n in gpu.SIZE_RECIPES}
+  assert "reused" not in sizes[1] and sizes[1]["config"]["heads"] == 64 // gpu.SMOKE.head_dim
+  for row in sizes:
+    assert _is_time(row["fp8_over_bf16"])
+    assert all(_is_time(row["recipes"][n]["ms"]) for n in gpu.SIZE_RECIPES)
+  assert md.count("\n| 64 | 1 | 4 |") == 1
+
+
+def test_smoke_probe_shows_fp32_accumulation_on_cpu(smoke):
+  _, written, md, _ = smoke
+  cases = written["sections"]["probe"]["cases"]
+  assert len(cases) == 2 * len(gpu.probe_cases(jnp.float16, 8, 16, 32))
+  assert {c["dtype"] for c in cases} == {"bfloat16", "float16"}
+  for case in cases:  # a verdict, or the stage that failed
+    assert ("verdict" in case) != ("error" in case), case
+    assert "verdict" in case or case["error"].startswith(("lower:", "compile:", "run:"))
+  by_name = {(c["case"], c["dtype"]): c for c in cases}
+  if written["env"]["platform"] == "cpu":
+    # XLA:CPU accumulates 16-bit dots in fp32 and rounds once, declared or not.
+    for key in (("matmul", "bfloat16"), ("matmul", "float16"), ("matmul, preset", "bfloat16")):
+      assert by_name[key]["verdict"] == "fp32 accumulate, one rounding", key
+      assert by_name[key]["ones_error_eps"] <= 0.5
+    assert by_name[("matmul, preset", "bfloat16")]["declared"] is True
+    assert by_name[("matmul", "bfloat16")]["declared"] is False
+  f32 = by_name[("matmul, preferred f32", "bfloat16")]
+  assert f32["out_dtype"] == "float32" and f32["ones_error_eps"] == 0.0
+  assert "## Matmul probe" in md and md.count("| matmul, preset |") == 2
+
+
+def test_budget_skips_recipes_and_says_so(tmp_path):
+  result = gpu.main(["--smoke", "--out", str(tmp_path), "--only", "recipes", "--budget-s", "0"])
+  rows = result["sections"]["recipes"]["rows"]
+  assert all(row["skipped"] == "time budget" for row in rows.values())
+  assert sorted(result["skipped"]) == sorted(f"recipes/{n}" for n in gpu.RECIPES)
+  md = (tmp_path / "gpu.md").read_text()
+  assert "Skipped (time budget): recipes/flax_bf16" in md
+  assert json.loads((tmp_path / "gpu.json").read_text())["skipped"] == result["skipped"]
+
+
+def test_only_rejects_unknown_sections():
+  with pytest.raises(SystemExit):
+    gpu.parse_args(["--only", "probe,nope"])
+  assert gpu.parse_args(["--only", "sizes, probe"]).only == ["sizes", "probe"]
+
+
+def test_gemm_counts_read_gpu_hlo():
+  text = "\n".join(
+    [
+      '%a = (bf16[8,16]{1,0}, s8[4]{0}) custom-call(%x, %y), custom_call_target="__cublas$gemm"',
+      "%b = (f32[8,16]{1,0}, s8[4]{0}) custom-call(%x, %y), "
+      'custom_call_target="__cublas$lt$matmul"',
+      "%c = (bf16[8,16]{1,0}, s8[4]{0}) custom-call(%q, %r, %s, %t), "
+      'custom_call_target="__cublas$lt$matmul$f8"',
+      "%d = (bf16[8,16]{1,0}, s8[4]{0}) custom-call(%q, %r, %s, %t), "
+      'custom_call_target="__cublas$lt$matmul$f8"',
+      '%e = bf16[8,16]{1,0} fusion(%x, %y), kind=kCustom, calls=%g, backend_config={"operation_'
+      'queue_id":"0","fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{}}}',
+      '%f = f32[8]{0} fusion(%x), kind=kCustom, backend_config={"fusion_backend_config":'
+      '{"kind":"__triton"}}',
+      "%g = (f32[1,2,3,4]{3,2,1,0}, u8[0]{0}) custom-call(%x, %y), "
+      'custom_call_target="__cudnn$convForward"',
+      "%h = f32[8,16]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+      "algorithm=dot_bf16_bf16_f32",
+    ]
+  )
+  calls = gpu.hlo_calls(text)
+  assert calls["custom_calls"]["__cublas$lt$matmul$f8"] == 2
+  assert calls["fusion_kinds"] == {"__triton_gemm": 1, "__triton": 1}
+  assert calls["algorithms"] == {"dot_bf16_bf16_f32": 1}
+  assert calls["dots"] == {"dot": 1}
+  assert gpu.gemm_counts(calls) == {
+    "cublas": 1,
+    "cublaslt": 1,
+    "cublaslt_fp8": 2,
+    "triton_gemm": 1,
+    "cudnn": 1,
+  }
+
+
+def _sum_in(values, dtype):
+  """Sequential sum, rounding to ``dtype`` after every addition (a ``dtype`` accumulator)."""
+  acc = dtype(0)
+  for v in values:
+    acc = dtype(np.float64(acc) + v)
+  return acc
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+def test_accumulation_error_tells_accumulators_apart(dtype):
+  k = 4096
+  big = 2.0 ** (ml_dtypes.finfo(dtype).nmant + 1)
+  ones = np.array([big] + [1.0] * (k - 1))
+  exact = np.array([ones.sum()])
+  once = np.array([np.float32(ones.sum())]).astype(dtype)  # fp32 accumulator, rounded once
+  sixteen = np.array([_sum_in(ones, dtype)])
+  assert sixteen[0] == big  # every 1 is lost
+  assert gpu.accumulation_error(once, exact, dtype) <= 0.5
+  assert gpu.accumulation_verdict(gpu.accumulation_error(once, exact, dtype)).startswith("fp32")
+  error = gpu.accumulation_error(sixteen, exact, dtype)
+  assert error > 4 and gpu.accumulation_verdict(error) == "16-bit accumulate"
+  # Two fp32 halves each rounded to 16 bits, then added and rounded: within a few epsilons.
+  halves = [np.float32(h.sum()).astype(dtype) for h in np.split(ones, 2)]
+  split = np.array([dtype(np.float64(halves[0]) + np.float64(halves[1]))])
+  assert gpu.accumulation_error(split, exact, dtype) <= 4
+
+
+def _stand_in(diagnose):
+  module = types.ModuleType("benchmarks.fp8_check")
+  module.__spec__ = types.SimpleNamespace(name="benchmarks.fp8_check")
+  module.diagnose = diagnose
+  return module
+
+
+def test_fp8_check_hook(monkeypatch, tmp_path):
+  seen = {}
+
+  def diagnose(**kwargs):
+    seen.update(kwargs)
+    return {"summary": "fp8 and bf16 agree", "max_rel_diff": 0.01, "layers": {"0": [1, 2]}}
+
+  monkeypatch.setitem(sys.modules, "benchmarks.fp8_check", _stand_in(diagnose))
+  result = gpu.main(["--smoke", "--out", str(tmp_path), "--only", "fp8_check"])
+  section = result["sections"]["fp8_check"]
+  budget = seen.pop("budget_s")  # diagnose() stops its later recipes before the thread's timeout
+  assert 0 < budget < 440 and seen == gpu.SMOKE.fp8_check_kwargs
+  assert section["status"] == "ok" and section["result"]["max_rel_diff"] == 0.01
+  md = (tmp_path / "gpu.md").read_text()
+  assert "fp8 and bf16 agree" in md and "- max_rel_diff: 0.01" in md
+
+
+def test_fp8_check_failure_is_recorded(monkeypatch, tmp_path):
+  def diagnose(**kwargs):
+    raise RuntimeError("no fp8 here")
+
+  monkeypatch.setitem(sys.modules, "benchmarks.fp8_check", _stand_in(diagnose))
+  result = gpu.main(["--smoke", "--out", str(tmp_path), "--only", "fp8_check"])
+  assert result["sections"]["fp8_check"]["status"] == "error"
+  assert result["sections"]["fp8_check"]["error"] == "RuntimeError: no fp8 here"
+
+
+def test_call_with_timeout():
+  assert gpu.call_with_timeout(lambda: 3, 10)["result"] == 3
+  start = time.perf_counter()
+  slow = gpu.call_with_timeout(lambda: time.sleep(1.0), 0.05)
+  assert time.perf_counter() - start < 0.9
+  assert slow == {"error": "timed out after 0 s", "abandoned": True}
