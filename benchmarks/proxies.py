@@ -320,7 +320,8 @@ def deliberate_fp32(config: dict[str, int], batch: int) -> dict[str, int]:
 def run(config: dict[str, int], batch: int, collectives: bool = True) -> dict[str, Any]:
   """All proxies of every variant, and the ratios to ``flax_bf16``.
 
-  ``met`` judges ``jmp_lite`` less :func:`deliberate_fp32` (and only that much).
+  ``met`` compares ``jmp_lite``'s ratios with the targets as the issue states them;
+  ``met_less_deliberate_fp32`` after taking out :func:`deliberate_fp32` (and only that much).
   """
   figures = jaxpr_proxies(config, batch)
   if collectives:
@@ -344,7 +345,8 @@ def run(config: dict[str, int], batch: int, collectives: bool = True) -> dict[st
     "targets": {m: TARGETS[m] for m in metrics},
     "deliberate_fp32": allowed,
     "judged": judged,
-    "met": {m: judged[m] <= TARGETS[m] for m in metrics},
+    "met": {m: ratios["jmp_lite"][m] <= TARGETS[m] for m in metrics},
+    "met_less_deliberate_fp32": {m: judged[m] <= TARGETS[m] for m in metrics},
   }
 
 
@@ -378,10 +380,14 @@ def report(result: dict[str, Any]) -> str:
     for m in metrics
   ]
   lines.append("| jmp_lite less its deliberate fp32 | " + " | ".join(cells) + " |")
-  cells = [
-    f"<= {result['targets'][m]:.2f}: {'met' if result['met'][m] else 'NOT met'}" for m in metrics
-  ]
-  lines.append("| target for jmp_lite | " + " | ".join(cells) + " |")
+  for key, label in (
+    ("met", "target"),
+    ("met_less_deliberate_fp32", "target less deliberate fp32"),
+  ):
+    cells = [
+      f"<= {result['targets'][m]:.2f}: {'met' if result[key][m] else 'NOT met'}" for m in metrics
+    ]
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
   lines += [
     "",
     "Deliberate fp32 (not counted against the targets): the head writes fp32 logits for the loss "

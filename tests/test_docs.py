@@ -53,6 +53,9 @@ def test_multi_device_guide_runs_under_both_axis_types(axis_type):
   flags = [
     "--xla_force_host_platform_device_count=8",
     "--xla_cpu_collective_call_terminate_timeout_seconds=300",  # slow, not stuck, on 2 cores
+    # Values, not speed, are checked: compile with XLA:CPU's backend optimizations off.
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
   ]
   path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": path}

@@ -25,7 +25,10 @@ SMOKE_SECTIONS = "probe,recipes,sizes"  # fp8_check is tested with a stand-in mo
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
   out = tmp_path_factory.mktemp("gpu")
-  result = gpu.main(["--smoke", "--out", str(out), "--only", SMOKE_SECTIONS, "--save-hlo"])
+  # The sizes section at the recipes' own width only, which reuses their rows (no compile).
+  width = str(gpu.SMOKE.model["width"])
+  args = ["--smoke", "--out", str(out), "--only", SMOKE_SECTIONS, "--save-hlo", "--widths", width]
+  result = gpu.main(args)
   written = json.loads((out / "gpu.json").read_text())
   return result, written, (out / "gpu.md").read_text(), out
 
@@ -65,17 +68,17 @@ def test_smoke_writes_every_recipe(smoke):
 
 
 def test_smoke_sizes_reuse_the_recipes_rows(smoke):
+  # --widths kept the recipes' own width, whose rows the sizes section reuses.
   _, written, md, _ = smoke
-  sizes = written["sections"]["sizes"]["rows"]
-  assert [(r["config"]["width"], r["config"]["layers"]) for r in sizes] == list(gpu.SMOKE.sizes)
+  (row,) = written["sections"]["sizes"]["rows"]
+  assert (row["config"]["width"], row["config"]["layers"]) == gpu.SMOKE.sizes[0]
   recipes = written["sections"]["recipes"]["rows"]
-  assert sizes[0]["reused"] == "recipes"
-  assert sizes[0]["recipes"] == {n: recipes[n] for n in gpu.SIZE_RECIPES}
-  assert "reused" not in sizes[1] and sizes[1]["config"]["heads"] == 64 // gpu.SMOKE.head_dim
-  for row in sizes:
-    assert _is_time(row["fp8_over_bf16"])
-    assert all(_is_time(row["recipes"][n]["ms"]) for n in gpu.SIZE_RECIPES)
-  assert md.count("\n| 64 | 1 | 4 |") == 1
+  assert row["reused"] == "recipes"
+  assert row["recipes"] == {n: recipes[n] for n in gpu.SIZE_RECIPES}
+  assert _is_time(row["fp8_over_bf16"])
+  assert all(_is_time(row["recipes"][n]["ms"]) for n in gpu.SIZE_RECIPES)
+  width, layers = gpu.SMOKE.sizes[0]
+  assert md.count(f"\n| {width} | {layers} |") == 1
 
 
 def test_smoke_probe_shows_fp32_accumulation_on_cpu(smoke):

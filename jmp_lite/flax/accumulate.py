@@ -16,10 +16,8 @@ What each backend does with a ``dot_general`` of two 16-bit operands and a
 * **XLA:GPU** accumulates in fp32 (cuBLASLt and Triton gemms, long
   contractions included) and rounds once. It honours the algorithm preset
   ``BF16_BF16_F32`` (``F16_F16_F32``), but then emits every declared dot as a
-  Triton gemm fusion, taking cuBLAS out of its autotuner's choices (131 of
-  131 declared dots in the LM step of ``benchmarks/gpu.py``; Flax's undeclared
-  step ran 89 of its dots on cuBLASLt). The declaration buys nothing there, so
-  none is made.
+  Triton gemm fusion, taking cuBLAS out of its autotuner's choices. The
+  declaration buys nothing there, so none is made.
 * **XLA:TPU**: the matrix unit accumulates bf16 products in fp32;
   ``BF16_BF16_F32`` states it (TPUs have no fp16 matrix unit, so fp16 dots
   carry no preset). Not measured here.
@@ -27,14 +25,14 @@ What each backend does with a ``dot_general`` of two 16-bit operands and a
   computes them in fp32), but rejects the presets for fp16 and for dots with a
   single output element, so nothing is declared there.
 * Convolutions: cuDNN, the TPU and XLA:CPU accumulate 16-bit convolutions in
-  fp32 (fp16 on cuDNN: fp32 partial sums, rounded more than once, 0.52 ulp at
-  worst in the probe); JAX drops an algorithm preset on
+  fp32 (fp16 on cuDNN: fp32 partial sums rounded more than once); JAX drops an
+  algorithm preset on
   ``conv_general_dilated``, so none is declared.
 
 So the kernels here emit exactly the 16-bit matmuls of a Flax layer built with
 ``dtype=jnp.bfloat16`` (16-bit operands, residuals and results, forward and
 backward, so the fast gemm paths and half the bytes), plus the preset on TPU
-(:func:`accumulation_precision`). A wider result buys
+(``_declared_precision``). A wider result buys
 no accuracy there (the accumulator is fp32 already) and costs bandwidth and
 memory. Two options keep fp32 where it is consumed in fp32:
 
@@ -100,26 +98,18 @@ def _narrow(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype | None:
   return np.dtype(lhs_dtype)
 
 
-def accumulation_precision(
-  dtype: Any,
-  lhs_shape: tuple,
-  rhs_shape: tuple,
-  dimension_numbers: Any,
-  platform: str | None = None,
+def _declared_precision(
+  dtype: Any, lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any
 ) -> lax.DotAlgorithmPreset | None:
-  """The algorithm preset stating fp32 accumulation of a 16-bit matmul, if declarable.
+  """The algorithm preset stating fp32 accumulation of a 16-bit matmul, if declared.
 
   ``None`` where nothing is declared (XLA:CPU, XLA:GPU; fp16 on TPU: see the
-  module docstring) or for a product that is not a matrix product (an operand without a free
-  dimension, or a single output element: compilers lower those as reductions).
-
-  Args:
-    dtype: the operands' 16-bit dtype.
-    lhs_shape, rhs_shape, dimension_numbers: as for :func:`jax.lax.dot_general`.
-    platform: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default JAX's default backend.
+  module docstring) or for a product that is not a matrix product (an operand
+  without a free dimension, or a single output element: compilers lower those
+  as reductions). Decided for JAX's default backend, when the product is traced.
   """
   dtype = np.dtype(dtype)
-  if dtype not in _DECLARES.get(platform or _platform(), ()):
+  if dtype not in _DECLARES.get(_platform(), ()):
     return None
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
   free = lambda shape, contract, batch: [
@@ -138,27 +128,30 @@ class _Options(NamedTuple):
   """The static part of a product that needs its own VJP (see the module docstring)."""
 
   output_dtype: np.dtype | None  # a wide result, left unrounded
-  rhs_grad_dtype: np.dtype | None  # the wide dtype the rhs gradient leaves its matmul in
+  grad_dtypes: tuple[np.dtype | None, np.dtype | None]  # lhs, rhs gradients leave their matmuls in
 
 
-def _options(output_dtype: Any, rhs_grad_dtype: Any) -> _Options | None:
-  def wide(value: Any, name: str) -> np.dtype | None:
-    if value is None:
-      return None
-    dtype = np.dtype(value)
-    if dtype != _F32:
-      raise ValueError(f"{name} must be None or float32, got {value!r}.")
-    return dtype
+def _wide(value: Any, name: str) -> np.dtype | None:
+  if value is None:
+    return None
+  dtype = np.dtype(value)
+  if dtype != _F32:
+    raise ValueError(f"{name} must be None or float32, got {value!r}.")
+  return dtype
 
-  options = _Options(wide(output_dtype, "output_dtype"), wide(rhs_grad_dtype, "rhs_grad_dtype"))
-  return None if options == _Options(None, None) else options
+
+def _options(output_dtype: Any, lhs_grad_dtype: Any, rhs_grad_dtype: Any) -> _Options | None:
+  options = _Options(
+    _wide(output_dtype, "output_dtype"),
+    (_wide(lhs_grad_dtype, "lhs_grad_dtype"), _wide(rhs_grad_dtype, "rhs_grad_dtype")),
+  )
+  return None if options == _Options(None, (None, None)) else options
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
   # Unbatched shapes even under vmap, whose tracers then batch the replayed binds; the
   # sharding under explicit mesh axes, where a transpose must return the operand's.
-  sharding = getattr(jax.typeof(x), "sharding", None) if hasattr(jax, "typeof") else None
-  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
+  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=jax.typeof(x).sharding)
 
 
 def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> list[Any]:
@@ -177,14 +170,11 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
   env.update(zip(jaxpr.constvars, closed.consts, strict=True))
   env.update(zip(jaxpr.invars, args, strict=True))
   for eqn in jaxpr.eqns:
-    params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
-    if isinstance(params, tuple):  # JAX < 0.7 returned (subfuns, params)
-      subfuns, params = params
-    if eqn.primitive in (lax.dot_general_p, lax.conv_general_dilated_p) and is_16bit_float(
-      eqn.outvars[0].aval.dtype
-    ):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    products = (lax.dot_general_p, lax.conv_general_dilated_p)
+    if eqn.primitive in products and is_16bit_float(eqn.outvars[0].aval.dtype):
       params = dict(params, preferred_element_type=wide)
-    outs = eqn.primitive.bind(*subfuns, *(read(v) for v in eqn.invars), **params)
+    outs = eqn.primitive.bind(*(read(v) for v in eqn.invars), **params)
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for var, val in zip(eqn.outvars, outs, strict=True):
@@ -193,9 +183,26 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
   return [read(v) for v in jaxpr.outvars]
 
 
+def _transposed(op: Callable[..., jax.Array], operands: tuple, side: int, cotangent, wide):
+  """The gradient of ``operands[side]`` (the other fixed): a 16-bit product, or a wide one."""
+  other = operands[1 - side]
+
+  def transpose(other, g):
+    fn = (lambda x: op(x, other, None)) if side == 0 else (lambda x: op(other, x, None))
+    return jax.linear_transpose(fn, _spec(operands[side]))(g)[0]
+
+  if wide is None:
+    return transpose(other, cotangent)
+  # JAX knows the transposed product (dimension numbers, padding, dilation):
+  # trace it abstractly, then replay it with a wide result.
+  closed = jax.make_jaxpr(transpose)(_spec(other), _spec(cotangent))
+  (grad,) = _replay_wide(closed, wide, other, cotangent)
+  return grad.astype(operands[side].dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _product(op: Callable[..., jax.Array], options: _Options, lhs: jax.Array, rhs: jax.Array):
-  """``op(lhs, rhs, result_dtype)`` with a wide result and/or a wide rhs gradient."""
+  """``op(lhs, rhs, result_dtype)`` with a wide result and/or wide gradients."""
   return op(lhs, rhs, options.output_dtype)
 
 
@@ -204,23 +211,28 @@ def _product_fwd(op, options, lhs, rhs):
 
 
 def _product_bwd(op, options, residuals, cotangent):
-  lhs, rhs = residuals
   # The gradients are 16-bit products like the forward pass: a wide cotangent
   # is rounded once here, so no backward matmul has an fp32 operand.
-  cotangent = cotangent.astype(lhs.dtype)
-  d_lhs = jax.linear_transpose(lambda a: op(a, rhs, None), _spec(lhs))(cotangent)[0]
-  if options.rhs_grad_dtype is None:
-    d_rhs = jax.linear_transpose(lambda b: op(lhs, b, None), _spec(rhs))(cotangent)[0]
-  else:
-    # JAX knows the transposed product (dimension numbers, padding, dilation):
-    # trace it abstractly, then replay it with a wide result.
-    transpose = lambda a, g: jax.linear_transpose(lambda b: op(a, b, None), _spec(rhs))(g)[0]
-    closed = jax.make_jaxpr(transpose)(_spec(lhs), _spec(cotangent))
-    (d_rhs,) = _replay_wide(closed, options.rhs_grad_dtype, lhs, cotangent)
-  return d_lhs, d_rhs.astype(rhs.dtype)
+  cotangent = cotangent.astype(residuals[0].dtype)
+  return tuple(
+    _transposed(op, residuals, side, cotangent, options.grad_dtypes[side]) for side in (0, 1)
+  )
 
 
 _product.defvjp(_product_fwd, _product_bwd)
+
+
+def _dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, options, **kwargs):
+  dtype = _narrow(lhs, rhs, preferred_element_type)
+  if dtype is None:
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  if precision is None:
+    precision = _declared_precision(dtype, lhs.shape, rhs.shape, dimension_numbers)
+  op = lambda a, b, result_dtype: lax.dot_general(
+    a, b, dimension_numbers, precision, result_dtype, **kwargs
+  )
+  return op(lhs, rhs, None) if options is None else _product(op, options, lhs, rhs)
 
 
 def dot_general(
@@ -238,8 +250,8 @@ def dot_general(
 
   For two float16 (or two bfloat16) operands and no wider
   ``preferred_element_type``, the product is JAX's 16-bit ``dot_general``
-  with ``precision`` set to :func:`accumulation_precision` where the backend
-  takes it (a ``precision`` you pass is kept). Anything else is passed to
+  with ``precision`` stating fp32 accumulation where that is declared (TPU; a
+  ``precision`` you pass is kept). Anything else is passed to
   :func:`jax.lax.dot_general` unchanged.
 
   Args:
@@ -258,19 +270,8 @@ def dot_general(
 
     layer = nn.Dense(features=128, dot_general=jmp_lite.flax.dot_general)
   """
-  dtype = _narrow(lhs, rhs, preferred_element_type)
-  options = _options(output_dtype, rhs_grad_dtype)
-  if dtype is None:
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  if precision is None:
-    precision = accumulation_precision(dtype, lhs.shape, rhs.shape, dimension_numbers)
-  op = lambda a, b, result_dtype: lax.dot_general(
-    a, b, dimension_numbers, precision, result_dtype, **kwargs
-  )
-  if options is None:
-    return op(lhs, rhs, None)
-  return _product(op, options, lhs, rhs)
+  options = _options(output_dtype, None, rhs_grad_dtype)
+  return _dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, options, **kwargs)
 
 
 def conv_general_dilated(
@@ -291,7 +292,7 @@ def conv_general_dilated(
   :func:`dot_general`.
   """
   dtype = _narrow(lhs, rhs, preferred_element_type)
-  options = _options(output_dtype, rhs_grad_dtype)
+  options = _options(output_dtype, None, rhs_grad_dtype)
   # *args are conv_general_dilated's positional arguments before preferred_element_type.
   op = lambda a, b, result_dtype: lax.conv_general_dilated(  # type: ignore[misc]
     a, b, *args, preferred_element_type=result_dtype, **kwargs
@@ -313,8 +314,11 @@ def einsum(
 ) -> jax.Array:
   """:func:`jax.numpy.einsum` whose contractions go through :func:`dot_general`.
 
-  ``output_dtype`` and ``rhs_grad_dtype`` are as for :func:`dot_general`; the
-  other arguments are :func:`jax.numpy.einsum`'s.
+  ``output_dtype`` is as for :func:`dot_general`; ``rhs_grad_dtype`` widens
+  the gradient of the last operand (a layer's kernel, as in
+  ``einsum_op(subscripts, inputs, kernel)``) wherever :func:`jax.numpy.einsum`
+  puts it in its contraction, and both gradients of a contraction where it
+  cannot be told apart. The other arguments are :func:`jax.numpy.einsum`'s.
   """
   if "_dot_general" in kwargs:
     raise TypeError("einsum already contracts with jmp_lite's dot_general; drop _dot_general.")
@@ -324,20 +328,25 @@ def einsum(
     # einsum casts its result to preferred_element_type: ask for the wide one,
     # which the contraction below then produces itself.
     kwargs["preferred_element_type"] = output_dtype
+  kernel = jax.ShapeDtypeStruct(np.shape(operands[-1]), jnp.result_type(operands[-1]))
 
   def dot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
     if output_dtype is not None and preferred_element_type is not None:
       if np.dtype(preferred_element_type) == np.dtype(output_dtype):
         preferred_element_type = None
-    return dot_general(
-      lhs,
-      rhs,
-      dimension_numbers,
-      precision,
-      preferred_element_type,
-      output_dtype=output_dtype,
-      rhs_grad_dtype=rhs_grad_dtype,
-      **kw,
+    # einsum may put the kernel on either side (it hands over a converted copy, so
+    # it is recognized by its shape), or reshape it first: then both are widened.
+    on_lhs, on_rhs = (
+      _like(x, kernel) and not _like(y, kernel) for x, y in ((lhs, rhs), (rhs, lhs))
     )
+    grads = [
+      rhs_grad_dtype if here or not (on_lhs or on_rhs) else None for here in (on_lhs, on_rhs)
+    ]
+    options = _options(output_dtype, *grads)
+    return _dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, options, **kw)
 
   return jnp.einsum(subscripts, *operands, _dot_general=dot, **kwargs)
+
+
+def _like(x: Any, spec: jax.ShapeDtypeStruct) -> bool:
+  return np.shape(x) == spec.shape and jnp.result_type(x) == spec.dtype

@@ -37,7 +37,7 @@ Array([[-0.5,  0. ,  0.5],
 :func:`dot_product_attention` is a drop-in ``attention_fn`` for Flax's linen
 ``MultiHeadDotProductAttention`` and NNX ``MultiHeadAttention``: it accepts
 the keyword arguments either passes, computes both matmuls with
-:func:`~jmp_lite.flax.accumulate.einsum` (fp32 accumulation) and the softmax
+:func:`~jmp_lite.flax.accumulate.einsum` (16-bit products) and the softmax
 with :func:`softmax`.
 """
 
@@ -172,7 +172,7 @@ def dot_product_attention(
   promote_dtype: Callable[..., Any] | None = None,
   is_causal: bool = False,
 ) -> jax.Array:
-  """Scaled dot-product attention with an fp32 softmax and fp32 accumulation.
+  """Scaled dot-product attention with an fp32 softmax and 16-bit matmuls.
 
   .. math::
 
@@ -196,7 +196,7 @@ def dot_product_attention(
     einsum_dot_general: a ``dot_general`` for both matmuls (default
       :func:`jmp_lite.flax.dot_general`).
     qk_attn_weights_einsum, attn_weights_value_einsum: einsums for the two
-      matmuls (e.g. quantized ones); they replace the fp32-accumulating default.
+      matmuls (e.g. quantized ones); they replace the default.
     promote_dtype: NNX's dtype promotion hook, ``promote_dtype((q, k, v),
       dtype=dtype)``; by default the three are cast to ``dtype`` or to their
       common type.

@@ -12,12 +12,12 @@ Inside, every module method call (``__call__``, ``setup``-defined methods,
 ``method=`` targets) is intercepted with :func:`flax.linen.intercept_methods`,
 Flax's own interception mechanism, for the duration of that ``apply`` only.
 Per call it casts inputs to the module's compute dtype, casts outputs to its
-output dtype, and swaps Flax's default matmul/attention kernels for
-fp32-accumulating ones while the module runs (see
-:mod:`jmp_lite.flax.module_policy`). Parameters are cast to the compute dtype
-of the module that owns them before the model runs; which module owns which
-parameter is found by tracing the model once abstractly (``jax.eval_shape``,
-no FLOPs, once per ``jit`` trace), since linen creates submodules lazily.
+output dtype, and swaps Flax's default matmul/attention kernels for jmp_lite's
+while the module runs (see :mod:`jmp_lite.flax.module_policy`). Parameters are
+cast to the compute dtype of the module that owns them before the model runs;
+which module owns which parameter, and which layers compute the model's
+output, is found by tracing the model once abstractly (``jax.eval_shape``, no
+FLOPs, once per ``jit`` trace), since linen creates submodules lazily.
 The stored parameters, and those ``init`` creates, stay in the param dtype.
 
 Nothing is registered globally: the interceptor is installed in a ``with``
@@ -39,13 +39,16 @@ from flax.core import FrozenDict, meta
 
 from jmp_lite import dtypes
 from jmp_lite.flax.module_policy import (
+  CallRecord,
   ModulePolicies,
   ModulePolicy,
   Resolved,
   cast_floating,
   explicit_dtype,
   nearest,
+  output_chain,
   recomputed,
+  record_call,
   warn_explicit_dtypes,
 )
 from jmp_lite.policy import Policy
@@ -94,7 +97,7 @@ class _Interceptor:
     policies: ModulePolicies,
     owners: dict[tuple, np.dtype] | None,
     found: dict[str, tuple[str, np.dtype, np.dtype]] | None = None,
-    output_paths: frozenset[tuple] = frozenset(),
+    wide_paths: frozenset[tuple] = frozenset(),
   ):
     self.policies = policies
     # While discovering: the compute dtype each module (scope path) reads its params in.
@@ -103,9 +106,8 @@ class _Interceptor:
     self.found = found
     # Modules whose output is the model's output (found while discovering): they
     # return the policy's output dtype, and a matmul among them produces it directly.
-    self.wide_paths = output_paths
-    # While discovering: (path, raw output leaves, returned leaves) of each call, in exit order.
-    self.outputs: list[tuple[tuple, list, list]] = []
+    self.wide_paths = wide_paths
+    self.calls: list[CallRecord] = []  # while discovering, in exit order
     self.stack: list[Resolved] = []  # the enclosing module calls, outermost first
 
   def __call__(self, next_fun, args, kwargs, context):
@@ -144,26 +146,8 @@ class _Interceptor:
     wide = is_root or is_output
     returned = cast_floating(out, resolved.root_output_dtype if wide else resolved.output_dtype)
     if self.owners is not None:
-      leaves = jax.tree_util.tree_leaves
-      self.outputs.append((path, leaves(out), leaves(returned)))
+      self.calls.append(record_call(path, out, returned))
     return returned
-
-  def output_paths(self) -> frozenset[tuple]:
-    """After discovering: the modules whose output is (part of) the model's output.
-
-    Matched by identity, from the outermost call down: a module is one if
-    what it returned is part of the raw output of one already found (the
-    outermost call is), so the chain from the model down to the layer that
-    computes its output is found. The recorded leaves are alive until now, so
-    their ids are not reused.
-    """
-    found: set[tuple] = set()
-    wanted: set[int] = set()
-    for path, raw, returned in reversed(self.outputs):  # callers exit after their callees
-      if not path or wanted & {id(x) for x in returned}:
-        found.add(path)
-        wanted |= {id(x) for x in raw}
-    return frozenset(found)
 
 
 def _map_params(params: Any, fn: Callable[[tuple, Any], Any]) -> Any:
@@ -310,8 +294,8 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     def trace(v):
       nonlocal output_paths
       run(v)
-      output_paths = discover.output_paths()
-      discover.outputs.clear()
+      output_paths = output_chain(discover.calls)
+      discover.calls.clear()
 
     with nn.intercept_methods(discover):
       jax.eval_shape(trace, variables)

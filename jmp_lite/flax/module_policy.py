@@ -23,8 +23,9 @@ Every module *call* under a policy then does:
 
 On top of dtypes, Flax's built-in layers get 16-bit-friendly kernels in place
 of Flax's defaults, only where the layer still uses the default:
-fp32-accumulating ``dot_general``/``conv_general_dilated``/``einsum_op``
-(:mod:`jmp_lite.flax.accumulate`) and the fp32-softmax ``attention_fn``
+jmp_lite's ``dot_general``/``conv_general_dilated``/``einsum_op``
+(:mod:`jmp_lite.flax.accumulate`: the fp32 output layer, the TPU declaration,
+``grad_reduction_dtype``) and the fp32-softmax ``attention_fn``
 (:mod:`jmp_lite.flax.attention`); see :data:`FLAX_HOOKS`.
 
 A module built with an explicit ``dtype=`` other than the compute dtype the
@@ -265,8 +266,8 @@ FLAX_HOOKS: tuple[Hook, ...] = (
 
 Not covered (no hook in Flax): linen ``Einsum``, ``ConvTranspose`` and
 ``Embed.attend``, NNX ``ConvTranspose`` and ``Embed.attend``, and matmuls a
-user module writes itself; those accumulate as JAX decides (the jaxpr says
-the 16-bit dtype).
+user module writes itself: they run as JAX lowers them (16-bit products, the
+same matmuls), without the fp32 output layer or ``grad_reduction_dtype``.
 """
 
 
@@ -310,7 +311,7 @@ class ModulePolicies:
       :mod:`jmp_lite.flax.accumulate`), and an fp32 result for the layer that
       produces the model's fp32 output (the logits before the loss).
     fp32_softmax: give Flax's attention layers :func:`dot_product_attention`
-      (fp32 softmax, fp32 accumulation) when they compute in 16 bits.
+      (an fp32 softmax keeping 16-bit residuals) when they compute in 16 bits.
     grad_reduction_dtype: ``None`` (default) or ``float32``: the dtype in which
       the kernel gradients of 16-bit dense, convolution and einsum layers
       leave their matmuls. ``None`` keeps them in the compute dtype, as Flax's
@@ -331,8 +332,9 @@ class ModulePolicies:
     TypeError: for an override key that is not a Flax module class, or a value
       that is not a ModulePolicy, dtype or None.
     ValueError: for an fp8 compute dtype (use jmp_lite's fp8 support), an
-      unknown dtype name or an ``explicit_dtypes`` not in ``"warn"``, ``"keep"``,
-      ``"policy"``.
+      unknown dtype name, an ``explicit_dtypes`` not in ``"warn"``, ``"keep"``,
+      ``"policy"``, or a ``grad_reduction_dtype`` other than fp32 (or with
+      ``fp32_accumulation=False``).
   """
 
   def __init__(
@@ -387,6 +389,11 @@ class ModulePolicies:
           raise type(e)(f"override for {cls.__name__}: {e}") from e
     self.overrides: Mapping[type, ModulePolicy | None] = types.MappingProxyType(table)
     self.fp32_accumulation = bool(fp32_accumulation)
+    if self.grad_reduction_dtype is not None and not self.fp32_accumulation:
+      raise ValueError(
+        "grad_reduction_dtype needs jmp_lite's kernels, which fp32_accumulation=False switches "
+        "off; keep fp32_accumulation=True or drop grad_reduction_dtype."
+      )
     self.fp32_softmax = bool(fp32_softmax)
     self._cache: dict[tuple, Resolved] = {}
 
@@ -505,7 +512,7 @@ class ModulePolicies:
       )
       for h in resolved.hooks
       # (a layer already given jmp_lite's kernel, e.g. by policy_view, may get its options)
-      if h.is_default(module) or getattr(module, h.attribute, None) is h.replacement
+      if h.is_default(module) or _unwrapped(getattr(module, h.attribute, None)) is h.replacement
     }
     if resolved.explicit_dtype is not None and self.explicit_dtypes == "policy":
       updates["dtype"] = resolved.compute_dtype
@@ -591,6 +598,44 @@ def recomputed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return fn(*a, **k)
 
   return jax.checkpoint(call)(*(x for x, a in zip(leaves, is_array, strict=True) if a))
+
+
+class CallRecord(NamedTuple):
+  """One module call seen while tracing a model to find its output layers."""
+
+  path: tuple
+  raw: list  # the array leaves the module computed
+  returned: list  # the array leaves it returned (after its output cast)
+
+
+def record_call(path: tuple, raw: Any, returned: Any) -> CallRecord:
+  arrays = lambda tree: [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+  return CallRecord(tuple(path), arrays(raw), arrays(returned))
+
+
+def output_chain(records: list[CallRecord]) -> frozenset[tuple]:
+  """The modules whose output is (part of) the model's output, from the calls of one trace.
+
+  ``records`` are in exit order, the outermost call last. Matched by
+  identity, from the outermost call down: a module is in the chain if what it
+  returned is part of the raw output of one already in it (the outermost call
+  is), so the chain from the model down to the layer that computes its output
+  is found. A module whose result is transformed before it is returned
+  (``.astype``, a division, a lifted transform) ends the chain. The records
+  hold the arrays, so their ids are not reused while this runs.
+  """
+  found: set[tuple] = set()
+  wanted: set[int] = set()
+  for i, (path, raw, returned) in enumerate(reversed(records)):
+    if i == 0 or wanted & {id(x) for x in returned}:
+      found.add(path)
+      wanted |= {id(x) for x in raw}
+  return frozenset(found)
+
+
+def _unwrapped(fn: Any) -> Any:
+  """``fn``, or the function a ``functools.partial`` of jmp_lite's options wraps."""
+  return fn.func if isinstance(fn, functools.partial) else fn
 
 
 def nearest(path: tuple, table: Mapping[tuple, Any]) -> Any:

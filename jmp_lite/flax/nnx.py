@@ -25,7 +25,7 @@ Variables, :func:`flax.nnx.recursive_map`) in which
   method reached through the parent, e.g. ``self.embed.attend``) cast floating
   inputs to its compute dtype and outputs to its output dtype, with the same
   per-class overrides as linen (:mod:`jmp_lite.flax.module_policy`);
-* 16-bit Flax layers get the fp32-accumulating kernels and attention the fp32
+* 16-bit Flax layers get jmp_lite's matmul kernels and attention the fp32
   softmax, set as attributes on the copies.
 
 The view is cheap (no arrays are copied but the cast parameters) and meant to
@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.graph import is_graph_node
 
 from jmp_lite import dtypes
 from jmp_lite.flax.module_policy import (
@@ -56,12 +57,15 @@ from jmp_lite.flax.module_policy import (
   cast_floating,
   explicit_dtype,
   nearest,
+  output_chain,
   recomputed,
+  record_call,
   warn_explicit_dtypes,
 )
 from jmp_lite.policy import Policy
 
 M = TypeVar("M", bound=nnx.Module)
+_F32 = np.dtype(jnp.float32)
 
 
 # While a view's output chain is being discovered: (path, raw output leaves,
@@ -105,10 +109,9 @@ class PolicyModule(nnx.Module):
     # Under recompute the cast happens inside, so the saved inputs are the narrow ones.
     out = recomputed(call, args, kwargs) if self._recompute else call(*args, **kwargs)
     returned = cast_floating(out, self._output_dtype)
-    record = _DISCOVERY.get()
-    if record is not None:
-      leaves = jax.tree_util.tree_leaves
-      record.append((self._path, leaves(out), leaves(returned)))
+    calls = _DISCOVERY.get()
+    if calls is not None:
+      calls.append(record_call(self._path, out, returned))
     return returned
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -133,25 +136,31 @@ class PolicyModule(nnx.Module):
     by identity (as in :func:`~jmp_lite.flax.policy_apply`); their kernels then
     return the policy's output dtype (fp32 logits) instead of a rounded one.
     """
-    record: list = []
-    token = _DISCOVERY.set(record)
+    # Arrays and NNX objects (Rngs) are traced; other arguments (a train flag,
+    # a mode string) stay what they are.
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_graph_node)
+    traced = [isinstance(x, (jax.Array, np.ndarray)) or is_graph_node(x) for x in leaves]
+
+    def call(view, values):
+      it = iter(values)
+      a, k = jax.tree_util.tree_unflatten(
+        treedef, [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
+      )
+      return view(*a, **k)
+
+    calls: list = []
+    token = _DISCOVERY.set(calls)
     try:
-      nnx.eval_shape(lambda view, a, k: view(*a, **k), self, args, kwargs)
+      nnx.eval_shape(call, self, [x for x, t in zip(leaves, traced, strict=True) if t])
     finally:
       _DISCOVERY.reset(token)
-    found: set[tuple] = set()
-    wanted: set[int] = set()
-    for path, raw, returned in reversed(record):  # callers exit after their callees
-      if not path or wanted & {id(x) for x in returned}:
-        found.add(path)
-        wanted |= {id(x) for x in raw}
-    for path in found:
-      wrapper = wrappers[path]
-      updates = policies.attribute_updates(wrapper.module, resolved[path], wide_output=True)
+    for path in output_chain(calls):
+      wrapper, r = wrappers[path], resolved[path]
+      updates = policies.attribute_updates(wrapper.module, r, wide_output=True)
       # Static attributes of the view's own objects. The first call may be
       # inside a transform (vmap, scan) below the trace the view was built at,
       # where NNX refuses setattr; nothing traced is stored.
-      object.__setattr__(wrapper, "_output_dtype", np.dtype(policies.policy.output_dtype))
+      object.__setattr__(wrapper, "_output_dtype", np.dtype(r.root_output_dtype))
       for name, value in updates.items():
         object.__setattr__(wrapper.module, name, value)
 
@@ -296,7 +305,7 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
 
   try:
     root = nnx.recursive_map(wrap, view, graph=True)
-    if isinstance(root, PolicyModule) and np.dtype(policies.policy.output_dtype).itemsize == 4:
+    if isinstance(root, PolicyModule) and np.dtype(policies.policy.output_dtype) == _F32:
       _UNDISCOVERED[root] = (policies, resolved, wrappers)
     return root, found
   except ValueError as e:

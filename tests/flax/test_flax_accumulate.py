@@ -2,7 +2,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax_testing import BF16, F16, F32, check_hlo_products, check_lean_products, products
+from flax_testing import (
+  BF16,
+  F16,
+  F32,
+  check_hlo_products,
+  check_lean_products,
+  out_dtype,
+  products,
+)
 from jax import lax
 
 import jmp_lite.flax as jlf
@@ -220,7 +228,7 @@ def test_conv_general_dilated_matches_fp32(strides, padding, lhs_dilation, rhs_d
   np.testing.assert_allclose(f32(dw), exact_dw, rtol=2**-8, atol=1e-6)
 
 
-def test_einsum_contracts_through_fp32_accumulation():
+def test_einsum_contracts_in_16_bit_products():
   q, k = _random((2, 5, 3, 4), 0, BF16), _random((2, 6, 3, 4), 1, BF16)
   ours = lambda a, b: jlf.einsum("bqhd,bkhd->bhqk", a, b)
   ref = lambda a, b: jnp.einsum("bqhd,bkhd->bhqk", a, b)
@@ -267,3 +275,20 @@ def test_forward_mode_works_without_options_and_is_refused_with_them():
   np.testing.assert_array_equal(f32(tangent), f32(jax.jvp(lambda a: a @ a, (x,), (x,))[1]))
   with pytest.raises(TypeError, match="custom_vjp"):
     jax.jvp(lambda a: jlf.dot_general(a, a, dims, output_dtype=F32), (x,), (x,))
+
+
+@pytest.mark.parametrize("subscripts", ["btd,dhk->bthk", "btd,dhk->hkbt"])
+def test_einsum_widens_the_kernel_gradient_wherever_einsum_puts_the_kernel(subscripts):
+  # jnp.einsum contracts with the kernel on the left when the output lists its axes first.
+  x, k = _random((2, 3, 4), 0, BF16), _random((4, 5, 6), 1, BF16)
+  ours = lambda a, b: jlf.einsum(subscripts, a, b, rhs_grad_dtype=F32)
+  plain = lambda a, b: jnp.einsum(subscripts, a, b)
+  g = _random(jax.eval_shape(plain, x, k).shape, 2, BF16)
+  dx, dk = jax.vjp(ours, x, k)[1](g)
+  ref_dx, _ = jax.vjp(plain, x, k)[1](g)
+  np.testing.assert_array_equal(f32(dx), f32(ref_dx))  # the input gradient: 16-bit, as JAX's
+  exact_dk = jax.vjp(lambda b: plain(x.astype(F32), b), k.astype(F32))[1](g.astype(F32))[0]
+  np.testing.assert_array_equal(f32(dk), f32(exact_dk.astype(BF16)))  # fp32 sum, rounded once
+  jaxpr = jax.make_jaxpr(lambda a, b, c: jax.vjp(ours, a, b)[1](c))(x, k, g)
+  wide = [e for e in products(jaxpr) if out_dtype(e) == F32]
+  assert len(wide) == 1 and sorted(wide[0].outvars[0].aval.shape) == sorted(k.shape)

@@ -130,7 +130,7 @@ def test_dot_product_attention_dropout_and_sow_match_flax():
   np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
 
 
-def test_dot_product_attention_accumulates_in_fp32_forward_and_backward():
+def test_dot_product_attention_runs_16_bit_products_forward_and_backward():
   q = _random((2, 5, 2, 4), 0, BF16)
   loss = lambda q: jlf.dot_product_attention(q, q, q).astype(F32).sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss))(q)

@@ -45,7 +45,7 @@ def _shapes(fn, *args):
   return jax.eval_shape(fn, *args)
 
 
-def test_transformer_matmuls_accumulate_in_fp32_and_islands_are_fp32(lm):
+def test_transformer_matmuls_are_16_bit_and_islands_are_fp32(lm):
   model, toks, variables = lm
   apply = jlf.policy_apply(model, POLICY)
   grad = jax.grad(lambda p: lm_loss(apply({"params": p}, toks), toks))

@@ -47,7 +47,7 @@ def _lm_loss(policy=POLICY, **options):
   return lambda m: lm_loss(jlf.policy_view(m, policy, **options)(toks), toks)
 
 
-def test_transformer_matmuls_accumulate_in_fp32_and_islands_are_fp32():
+def test_transformer_matmuls_are_16_bit_and_islands_are_fp32():
   loss, params = _param_fn(NnxLM(rngs=nnx.Rngs(0)), _lm_loss())
   jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
   # 9 forward, 17 backward products, and the softmax backward's row sums <dp, p>; two
@@ -365,3 +365,39 @@ def test_the_output_layer_returns_fp32_also_when_first_called_under_a_transform(
   assert head.outvars[0].aval.shape[-1] == 32  # the vocabulary head, under vmap
   batched, plain = (jax.jit(run, static_argnums=1)(state, b) for b in (True, False))
   np.testing.assert_allclose(batched, plain, rtol=1e-5, atol=1e-5)
+
+
+class Flagged(nnx.Module):
+  """A model called with a Python flag and a string, as NNX models often are."""
+
+  def __init__(self, *, rngs):
+    self.body = nnx.Linear(3, 4, rngs=rngs)
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x, train: bool, mode: str = "eval"):
+    assert mode in ("eval", "train")
+    h = self.body(x)
+    return self.head(self.drop(h, deterministic=not train))
+
+
+@pytest.mark.parametrize("grad_reduction_dtype", [None, F32])
+def test_output_layer_discovery_keeps_python_arguments_and_options(grad_reduction_dtype):
+  model = Flagged(rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  x = jnp.ones((2, 3))
+
+  def heads(train):
+    def run(state, x):
+      view = jlf.policy_view(
+        nnx.merge(graphdef, state), POLICY, grad_reduction_dtype=grad_reduction_dtype
+      )
+      return view(x, train, mode="train" if train else "eval")
+
+    jaxpr = jax.make_jaxpr(run)(state, x)
+    return [out_dtype(e) for e in products(jaxpr) if e.outvars[0].aval.shape == (2, 2)]
+
+  # The head returns fp32 straight from its matmul, with grad_reduction_dtype too.
+  assert heads(False) == [F32] and heads(True) == [F32]
+  with pytest.raises(ValueError, match="grad_reduction_dtype needs jmp_lite's kernels"):
+    jlf.policy_view(model, POLICY, grad_reduction_dtype=F32, fp32_accumulation=False)

@@ -132,7 +132,8 @@ def test_quick_run_meets_the_targets(quick):
   judged = quick["judged"]
   misses = {m: judged[m] for m, target in proxies.TARGETS.items() if judged[m] > target}
   assert not misses, misses
-  assert all(quick["met"].values())
+  assert all(quick["met_less_deliberate_fp32"].values())
+  assert quick["met"]["intermediate"] and quick["met"]["residual"]  # as the issue states them
 
 
 def test_grad_reduction_dtype_sets_the_dtype_of_the_gradient_reduction(quick):
