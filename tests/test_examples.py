@@ -90,6 +90,10 @@ def test_charlm_quick_with_fp8():
   assert scales and any(s != 1.0 for per_layer in scales.values() for s in per_layer)
 
 
+# One worker runs this module under pytest-xdist, so its module fixture runs once.
+pytestmark = pytest.mark.xdist_group("examples")
+
+
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
   out = tmp_path_factory.mktemp("compare")

@@ -75,7 +75,7 @@ def uses_conditional(fun, *args) -> bool:
 
 
 @pytest.mark.parametrize("platform", RULES)
-@settings(max_examples=40)
+@settings(max_examples=15)
 @given(tree=trees())
 def test_rule_matches_numpy(platform, tree):
   values = [jnp.asarray(x) for x in tree if not np.issubdtype(x.dtype, np.integer)]
@@ -156,7 +156,7 @@ def test_accelerator_step_lowers_without_a_sum(platform):
 
 
 @pytest.mark.parametrize("platform", RULES)
-@settings(max_examples=30)
+@settings(max_examples=12)
 @given(tree=trees())
 def test_all_finite_matches_numpy(platform, tree):
   with rule(platform):
@@ -190,7 +190,7 @@ def _unscaled_reference(scaled, loss_scale, param_dtype):
 
 
 @pytest.mark.parametrize("platform", RULES)
-@settings(max_examples=40)
+@settings(max_examples=15)
 @given(
   scaled=trees(min_size=1, max_size=3, allow_int=False),
   scale_index=st.integers(0, len(SCALES) - 1),

@@ -20,6 +20,10 @@ from jmp_lite import fp8
 TINY = {"d_model": 32, "layers": 1, "heads": 2, "seq": 16, "batch": 2, "vocab": 32, "steps": 2}
 
 
+# One worker runs this module under pytest-xdist, so its module fixture runs once.
+pytestmark = pytest.mark.xdist_group("fp8_check")
+
+
 @pytest.fixture(scope="module")
 def tiny():
   return fp8_check.diagnose(**TINY, recipes=("fp32", "fp8"), budget_s=600)

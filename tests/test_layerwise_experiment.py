@@ -16,6 +16,10 @@ def _fraction(x):
   return isinstance(x, float) and 0.0 <= x <= 1.0
 
 
+# One worker runs this module under pytest-xdist, so its module fixture runs once.
+pytestmark = pytest.mark.xdist_group("layerwise_experiment")
+
+
 @pytest.fixture(scope="module")
 def underflow_results(tmp_path_factory):
   out = tmp_path_factory.mktemp("layerwise_underflow")

@@ -77,6 +77,10 @@ def _run(args: list[str], cwd: pathlib.Path, timeout: float = 300) -> str:
   return result.stdout
 
 
+# One worker runs this module under pytest-xdist, so its module fixture runs once.
+pytestmark = pytest.mark.xdist_group("packaging")
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> pathlib.Path:
   """Runs ``python -m build`` (sdist, then the wheel from the sdist) once for the module."""

@@ -26,15 +26,13 @@ What each backend does with a ``dot_general`` of two 16-bit operands and a
   single output element, so nothing is declared there.
 * Convolutions: cuDNN, the TPU and XLA:CPU accumulate 16-bit convolutions in
   fp32 (fp16 on cuDNN: fp32 partial sums rounded more than once); JAX drops an
-  algorithm preset on
-  ``conv_general_dilated``, so none is declared.
+  algorithm preset on ``conv_general_dilated``, so none is declared.
 
 So the kernels here emit exactly the 16-bit matmuls of a Flax layer built with
 ``dtype=jnp.bfloat16`` (16-bit operands, residuals and results, forward and
-backward, so the fast gemm paths and half the bytes), plus the preset on TPU
-(``_declared_precision``). A wider result buys
-no accuracy there (the accumulator is fp32 already) and costs bandwidth and
-memory. Two options keep fp32 where it is consumed in fp32:
+backward, so the fast gemm paths and half the bytes), plus the preset on TPU.
+A wider result buys no accuracy there (the accumulator is fp32 already) and
+costs bandwidth and memory. Two options keep fp32 where it is consumed in fp32:
 
 * ``output_dtype=jnp.float32``: the product leaves the matmul in fp32,
   unrounded (for the layer whose output is the model's fp32 output, e.g. the
@@ -68,13 +66,9 @@ from jax import lax
 from jax.extend import core as jex_core
 
 _F32 = np.dtype(np.float32)
-_PRESETS = {
-  np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32,
-  np.dtype(jnp.float16): lax.DotAlgorithmPreset.F16_F16_F32,
-}
-# Where the presets are declared (see the module docstring): not on XLA:GPU, which honours
-# them but then emits every declared dot as a Triton gemm, never cuBLAS.
-_DECLARES = {"tpu": frozenset({np.dtype(jnp.bfloat16)})}
+# The presets declared, by platform (see the module docstring): none on XLA:GPU, which
+# honours them but then emits every declared dot as a Triton gemm, never cuBLAS.
+_DECLARED = {"tpu": {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32}}
 
 
 def is_16bit_float(dtype: Any) -> bool:
@@ -108,8 +102,8 @@ def _declared_precision(
   without a free dimension, or a single output element: compilers lower those
   as reductions). Decided for JAX's default backend, when the product is traced.
   """
-  dtype = np.dtype(dtype)
-  if dtype not in _DECLARES.get(_platform(), ()):
+  preset = _DECLARED.get(_platform(), {}).get(np.dtype(dtype))
+  if preset is None:
     return None
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
   free = lambda shape, contract, batch: [
@@ -121,7 +115,7 @@ def _declared_precision(
   )
   if not lhs_free or not rhs_free or int(np.prod(lhs_free + rhs_free)) < 2:
     return None
-  return _PRESETS[dtype]
+  return preset
 
 
 class _Options(NamedTuple):
@@ -322,7 +316,7 @@ def einsum(
   """
   if "_dot_general" in kwargs:
     raise TypeError("einsum already contracts with jmp_lite's dot_general; drop _dot_general.")
-  if output_dtype is None and rhs_grad_dtype is None:
+  if _options(output_dtype, None, rhs_grad_dtype) is None:
     return jnp.einsum(subscripts, *operands, _dot_general=dot_general, **kwargs)
   if output_dtype is not None:
     # einsum casts its result to preferred_element_type: ask for the wide one,

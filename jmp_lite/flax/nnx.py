@@ -68,8 +68,8 @@ M = TypeVar("M", bound=nnx.Module)
 _F32 = np.dtype(jnp.float32)
 
 
-# While a view's output chain is being discovered: (path, raw output leaves,
-# returned leaves) of every wrapped call, in exit order.
+# While a view's output chain is being discovered: the CallRecord of every wrapped
+# call, in exit order.
 _DISCOVERY: contextvars.ContextVar[list | None] = contextvars.ContextVar(
   "jmp_lite_policy_view_discovery", default=None
 )

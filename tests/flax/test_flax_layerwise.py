@@ -126,7 +126,9 @@ def test_stage_gradients_match_fp32():
   static = jl.StaticLossScale(2.0**10)
   _, ref = jit(jl.scaled_value_and_grad(loss, static))(variables["params"])
   ref = static.unscale(ref)
-  ref32 = jax.grad(lambda p: lm_loss(model.apply({"params": p}, toks), toks))(variables["params"])
+  ref32 = jit(jax.grad(lambda p: lm_loss(model.apply({"params": p}, toks), toks)))(
+    variables["params"]
+  )
   leaves = (jax.tree.leaves(unscaled), jax.tree.leaves(ref), jax.tree.leaves(ref32))
   for g, r, r32 in zip(*leaves, strict=True):
     assert g.dtype == jnp.float32

@@ -10,6 +10,10 @@ import pytest
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
 
 
+# One worker runs this module under pytest-xdist, so its module fixture runs once.
+pytestmark = pytest.mark.xdist_group("memory_benchmark")
+
+
 @pytest.fixture(scope="module")
 def memory():
   name = "jmp_lite_benchmarks_memory"

@@ -93,6 +93,10 @@ def test_fsdp_spec_shards_the_first_axis_where_it_divides():
     proxies.collective_proxies(proxies.QUICK, 12)
 
 
+# One worker runs this module under pytest-xdist, so its module fixture runs once.
+pytestmark = pytest.mark.xdist_group("proxies_benchmark")
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
   # The FSDP step compiles (and never runs) in a subprocess with 8 host devices.

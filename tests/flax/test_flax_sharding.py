@@ -37,9 +37,9 @@ def run_case(case: str) -> dict:
 @pytest.mark.parametrize(
   "case",
   [
-    # (docs/multi-device.md's recipe, the model under jax.sharding.auto_axes in an explicit
-    # mesh, runs in tests/test_docs.py; the "explicit_auto_axes" case of the worker.)
-    "auto",  # auto mesh axes: policy_apply as it is
+    # docs/multi-device.md's recipes run in tests/test_docs.py under explicit axes (the model
+    # under jax.sharding.auto_axes: the worker's "explicit_auto_axes" case) and auto axes
+    # (its "auto" case).
     "explicit_gathered",  # explicit axes inside: params gathered, the lookup states its sharding
   ],
 )
