@@ -5,7 +5,6 @@ the blocks of one page run in order in one namespace. (The full docs build, warn
 is in ``test_static_checks.py``.)
 """
 
-import os
 import pathlib
 import re
 import subprocess
@@ -44,27 +43,18 @@ def test_guide_examples_run(page, capsys):
 
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
-def test_multi_device_guide_runs_under_both_axis_types(axis_type):
+def test_multi_device_guide_runs_under_both_axis_types(axis_type, multi_device_env):
   # The page builds its mesh with explicit axes (make_mesh's default); it must also run with
   # auto axes, so the run under "Auto" swaps them in.
   text = (DOCS / "multi-device.md").read_text()
   assert "AxisType.Explicit" in text
   text = text.replace("AxisType.Explicit", f"AxisType.{axis_type}")
-  flags = [
-    "--xla_force_host_platform_device_count=8",
-    "--xla_cpu_collective_call_terminate_timeout_seconds=300",  # slow, not stuck, on 2 cores
-    # Values, not speed, are checked: compile with XLA:CPU's backend optimizations off.
-    "--xla_backend_optimization_level=0",
-    "--xla_llvm_disable_expensive_passes=true",
-  ]
-  path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": path}
   script = "import sys, test_docs; test_docs.run_page('multi-device.md', sys.stdin.read())"
   result = subprocess.run(
     [sys.executable, "-c", script],
     input=text,
     cwd=pathlib.Path(__file__).parent,
-    env=env,
+    env=multi_device_env,
     capture_output=True,
     text=True,
     timeout=300,

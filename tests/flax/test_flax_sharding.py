@@ -6,7 +6,6 @@ on the sharded parameters against the same step on one device.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,19 +13,9 @@ import sys
 import pytest
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
-ROOT = WORKER.parents[2]
 
 
-def run_case(case: str) -> dict:
-  flags = [
-    "--xla_force_host_platform_device_count=8",
-    "--xla_cpu_collective_call_terminate_timeout_seconds=300",  # slow, not stuck, on 2 cores
-    # Values, not speed, are checked: compile with XLA:CPU's backend optimizations off.
-    "--xla_backend_optimization_level=0",
-    "--xla_llvm_disable_expensive_passes=true",
-  ]
-  path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": path}
+def run_case(case: str, env: dict) -> dict:
   result = subprocess.run(
     [sys.executable, str(WORKER), case], env=env, capture_output=True, text=True, timeout=300
   )
@@ -43,8 +32,8 @@ def run_case(case: str) -> dict:
     "explicit_gathered",  # explicit axes inside: params gathered, the lookup states its sharding
   ],
 )
-def test_fsdp_train_step_matches_one_device(case):
-  out = run_case(case)
+def test_fsdp_train_step_matches_one_device(case, multi_device_env):
+  out = run_case(case, multi_device_env)
   assert out["sharded_leaves"] >= 10  # most parameters really are split over the devices
   assert out["loss"] == pytest.approx(out["reference_loss"], rel=1e-3)
   # bf16 products rounded at other points than on one device: bf16 noise, no more.
@@ -53,10 +42,10 @@ def test_fsdp_train_step_matches_one_device(case):
   assert out["layout_kept"], out  # gradients and updated parameters stay sharded like the params
 
 
-def test_flax_embed_lookup_needs_auto_axes_under_explicit_axes():
+def test_flax_embed_lookup_needs_auto_axes_under_explicit_axes(multi_device_env):
   # The limit docs/multi-device.md states: Flax's linen nn.Embed looks up with jnp.take, which
   # explicit axes reject even with the table replicated. If this starts passing, JAX or Flax
   # resolved it: update the "Flax models under a policy, with FSDP" section.
-  out = run_case("explicit_flax_embed")
+  out = run_case("explicit_flax_embed", multi_device_env)
   assert out["error"] == "ShardingTypeError", out
   assert "out_sharding" in out["message"]
