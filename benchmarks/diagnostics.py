@@ -31,8 +31,8 @@ import optax
 
 from jmp_lite import audit
 from jmp_lite import diagnostics as diag
-from jmp_lite.loss_scale import DynamicLossScale
-from jmp_lite.transform import loss_scaling, scaled_value_and_grad
+from jmp_lite._loss_scale import DynamicLossScale
+from jmp_lite._transform import loss_scaling, scaled_value_and_grad
 
 
 def init_mlp(key, widths):

@@ -542,7 +542,7 @@ def undeclared(make_apply: Callable) -> Callable[[dict], Callable]:
   A diagnostic (the cost of ``precision=DotAlgorithmPreset...``): it swaps the private
   platform lookup of ``jmp_lite.flax.accumulate`` while the model is traced.
   """
-  accumulate = importlib.import_module("jmp_lite.flax.accumulate")
+  accumulate = importlib.import_module("jmp_lite.flax._accumulate")
 
   def make(config):
     apply = make_apply(config)

@@ -18,7 +18,24 @@ from jmp_lite._audit import (
   audit,
   audit_jaxpr,
 )
+from jmp_lite._dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
+from jmp_lite._loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  StaticLossScale,
+  all_finite,
+  select_tree,
+)
+from jmp_lite._policy import Policy, cast_to_full, cast_to_half, get_policy
 from jmp_lite._step_check import check_loss_scaling
+from jmp_lite._transform import (
+  LossScalingState,
+  get_loss_scale,
+  get_loss_scaling_state,
+  loss_scaling,
+  scaled_value_and_grad,
+)
 from jmp_lite.diagnostics import (
   Culprit,
   GradientStats,
@@ -31,7 +48,6 @@ from jmp_lite.diagnostics import (
   parameter_order,
   stats_to_metrics,
 )
-from jmp_lite.dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
 from jmp_lite.fp8 import (
   Fp8Config,
   Fp8DotAmax,
@@ -48,22 +64,6 @@ from jmp_lite.layerwise import (
   check_stages,
   stage_boundary,
   stages_from_paths,
-)
-from jmp_lite.loss_scale import (
-  DynamicLossScale,
-  LossScale,
-  NoOpLossScale,
-  StaticLossScale,
-  all_finite,
-  select_tree,
-)
-from jmp_lite.policy import Policy, cast_to_full, cast_to_half, get_policy
-from jmp_lite.transform import (
-  LossScalingState,
-  get_loss_scale,
-  get_loss_scaling_state,
-  loss_scaling,
-  scaled_value_and_grad,
 )
 
 __version__ = "0.1.0"

@@ -82,8 +82,9 @@ import jaxlib
 import numpy as np
 from jax import lax
 
-from jmp_lite import _jaxpr, dtypes
-from jmp_lite.policy import Policy
+from jmp_lite import _dtypes as dtypes
+from jmp_lite import _jaxpr
+from jmp_lite._policy import Policy
 
 __all__ = [
   "AUDIT_CHECKS",

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite.loss_scale import LossScale, NoOpLossScale
-from jmp_lite.transform import LossScalingState
+from jmp_lite._loss_scale import LossScale, NoOpLossScale
+from jmp_lite._transform import LossScalingState
 
 
 @dataclasses.dataclass(eq=False)

@@ -48,8 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import _jaxpr, dtypes, transform
-from jmp_lite import loss_scale as loss_scale_lib
+from jmp_lite import _dtypes as dtypes
+from jmp_lite import _jaxpr
+from jmp_lite import _loss_scale as loss_scale_lib
+from jmp_lite import _transform as transform
 
 __all__ = [
   "Culprit",

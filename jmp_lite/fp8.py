@@ -82,9 +82,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import _validation, dtypes
-from jmp_lite import policy as policy_lib
-from jmp_lite.loss_scale import LossScale
+from jmp_lite import _dtypes as dtypes
+from jmp_lite import _policy as policy_lib
+from jmp_lite import _validation
+from jmp_lite._loss_scale import LossScale
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)

@@ -75,7 +75,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import _tree_util, _validation, dtypes, transform
+from jmp_lite import _dtypes as dtypes
+from jmp_lite import _transform as transform
+from jmp_lite import _tree_util, _validation
 
 HIST_MIN_EXP = -64
 """Exponent of the first histogram bin; smaller magnitudes are counted there."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jmp_lite import dtypes
+from jmp_lite import _dtypes as dtypes
 
 # jmp_lite.diagnostics.GradientStats, recognized by its fields so that this
 # module imports nothing from jmp_lite but dtypes.

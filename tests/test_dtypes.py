@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jmp_lite as jl
-from jmp_lite import dtypes
+from jmp_lite import _dtypes as dtypes
 
 
 def test_table_has_the_formats_that_matter():

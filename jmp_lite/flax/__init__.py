@@ -19,11 +19,11 @@
   scaling for linen and NNX layers.
 """
 
-from jmp_lite.flax.accumulate import conv_general_dilated, dot_general, einsum
-from jmp_lite.flax.attention import dot_product_attention, softmax
-from jmp_lite.flax.layerwise import LayerwiseStages, layerwise_stages
-from jmp_lite.flax.linen import policy_apply, policy_init
-from jmp_lite.flax.module_policy import (
+from jmp_lite.flax._accumulate import conv_general_dilated, dot_general, einsum
+from jmp_lite.flax._attention import dot_product_attention, softmax
+from jmp_lite.flax._layerwise import LayerwiseStages, layerwise_stages
+from jmp_lite.flax._linen import policy_apply, policy_init
+from jmp_lite.flax._module_policy import (
   DEFAULT_OVERRIDES,
   FLAX_HOOKS,
   FP32,
@@ -32,9 +32,9 @@ from jmp_lite.flax.module_policy import (
   ModulePolicies,
   ModulePolicy,
 )
-from jmp_lite.flax.nnx import PolicyModule, policy_view
-from jmp_lite.flax.optimizer import Optimizer
-from jmp_lite.flax.train_state import TrainState
+from jmp_lite.flax._nnx import PolicyModule, policy_view
+from jmp_lite.flax._optimizer import Optimizer
+from jmp_lite.flax._train_state import TrainState
 
 __all__ = (
   "DEFAULT_OVERRIDES",

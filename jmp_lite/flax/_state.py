@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jmp_lite.transform import get_loss_scaling_state
+from jmp_lite._transform import get_loss_scaling_state
 
 
 def has_loss_scaling(opt_state: Any) -> bool:

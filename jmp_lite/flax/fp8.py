@@ -63,9 +63,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmp_lite import _policy as policy_lib
 from jmp_lite import fp8
-from jmp_lite import policy as policy_lib
-from jmp_lite.loss_scale import LossScale, NoOpLossScale, StaticLossScale
+from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
 
 STATE_COLLECTION = "fp8_state"
 AMAX_COLLECTION = "fp8_amax"

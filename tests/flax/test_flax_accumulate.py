@@ -14,7 +14,7 @@ from flax_testing import (
 from jax import lax
 
 import jmp_lite.flax as jlf
-from jmp_lite.flax import accumulate
+from jmp_lite.flax import _accumulate as accumulate
 
 DOT_CASES = [
   # (lhs shape, rhs shape, dimension numbers)

@@ -7,7 +7,7 @@ from jax import lax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
-from jmp_lite.flax.module_policy import explicit_dtype
+from jmp_lite.flax._module_policy import explicit_dtype
 
 POLICY = "p=f32,c=bf16,o=f32"
 

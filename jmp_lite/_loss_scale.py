@@ -1,0 +1,443 @@
+"""Loss scales: keep small fp16 gradients from underflowing.
+
+fp16's smallest subnormal is 2^-24, so gradients below it become zero. Scaling
+the loss by S before ``jax.grad`` scales every gradient by S (the chain rule is
+linear); dividing by S afterwards, in fp32, recovers the true gradients. With S
+a power of two both multiplications are exact.
+
+Three kinds, with jmp's names and constructor order:
+
+* :class:`NoOpLossScale`: S = 1 (fp32 or bf16 training).
+* :class:`StaticLossScale`: a fixed S.
+* :class:`DynamicLossScale`: S adapts. After ``period`` consecutive finite
+  steps it grows by ``factor``; on a non-finite step it shrinks by ``factor``
+  (not below ``min_loss_scale``) and the step is skipped by the caller.
+
+Each is an immutable pytree whose state (the scale and counters) are leaves and
+whose configuration is static, so it can live in a jitted train step's state
+without recompilation as the scale moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_lite import _finite, _tree_util, _validation
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class LossScale(Protocol):
+  r"""The loss-scale contract: what every kind of loss scale implements.
+
+  A loss scale is an immutable pytree (its state as leaves, its configuration
+  static) that knows how to differentiate a scaled loss and how to turn the
+  resulting gradients back into true ones. Everything in jmp_lite that scales a
+  loss (:func:`jmp_lite.loss_scaling`, :func:`jmp_lite.scaled_value_and_grad`,
+  the Flax ``TrainState`` and ``Optimizer``, fp8, the diagnostics) goes through
+  these members and nothing else, so a new kind plugs in everywhere:
+
+  .. math::
+
+    (\ell, \hat g) = \texttt{value\_and\_grad}(f)(\theta), \qquad
+    (g, \text{finite}, \text{next}) = \texttt{unscale\_and\_adjust}(\hat g, \theta)
+
+  with :math:`\hat g` the gradients of the scaled loss and :math:`g` the true
+  ones. :class:`NoOpLossScale`, :class:`StaticLossScale` and
+  :class:`DynamicLossScale` scale every gradient by one value (``uniform`` is
+  True); :class:`jmp_lite.LayerwiseLossScale` gives each stage of the network its
+  own (``uniform`` is False: then ``loss_scale`` is the loss's own scale, not
+  every gradient's, and ``scale`` refuses, since a plain ``jax.grad`` of a
+  scaled loss cannot give stages different scales).
+  """
+
+  uniform: ClassVar[bool]
+  """Whether every gradient carries the one scale ``loss_scale``."""
+
+  @property
+  def loss_scale(self) -> jax.Array | np.ndarray:
+    """The factor the loss is multiplied by (a scalar)."""
+    ...
+
+  @property
+  def at_minimum(self) -> jax.Array:
+    """Whether the scale is pinned at its floor (a bool scalar; False if fixed)."""
+    ...
+
+  def scale(self, tree: T) -> T:
+    """Multiplies a loss (or any tree of floating values) by ``loss_scale``."""
+    ...
+
+  def unscale(self, tree: T) -> T:
+    """Divides scaled gradients by the scale each carries, in at least fp32."""
+    ...
+
+  def adjust(self, grads_finite: jax.Array) -> Self:
+    """The next state, given only whether this step's gradients were finite."""
+    ...
+
+  def value_and_grad(
+    self,
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: Any = 0,
+    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+  ) -> Callable[..., tuple[Any, Any]]:
+    """Like ``value_and_grad(fun)``, with the gradients of the scaled loss.
+
+    Args:
+      fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
+      has_aux: as in :func:`jax.value_and_grad`.
+      argnums: which argument(s) to differentiate, in the form that
+        ``value_and_grad`` takes (e.g. an ``nnx.DiffState`` for
+        :func:`flax.nnx.value_and_grad`).
+      value_and_grad: the differentiation transform, with
+        :func:`jax.value_and_grad`'s signature (``fun, argnums, has_aux``).
+
+    Returns:
+      A function with ``fun``'s signature returning ``(value, scaled_grads)``:
+      ``value`` is ``fun``'s own, unscaled; ``scaled_grads`` is what
+      :meth:`unscale` and :meth:`unscale_and_adjust` take.
+    """
+    ...
+
+  def unscale_and_adjust(
+    self, scaled_grads: Any, params: Any = None, *, axis_name: Any = None
+  ) -> tuple[Any, jax.Array, Self]:
+    """Unscales, checks finiteness once and adjusts: one step's bookkeeping.
+
+    Args:
+      scaled_grads: what :meth:`value_and_grad` returned.
+      params: the parameters; the true gradients are cast to their dtypes
+        (``None``: to at least fp32).
+      axis_name: under ``shard_map``/``pmap``, the axis whose devices must
+        agree on finiteness.
+
+    Returns:
+      ``(grads, finite, next_loss_scale)``: the true gradients with the
+      parameters' structure, whether all of them are finite (a bool scalar,
+      the same on every device of ``axis_name``), and the loss scale for the
+      next step.
+    """
+    ...
+
+
+class _UniformScale:
+  """The contract's derived half for kinds with one scale for every gradient."""
+
+  uniform: ClassVar[bool] = True
+
+  def value_and_grad(
+    self: Any,
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: Any = 0,
+    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+  ) -> Callable[..., tuple[Any, Any]]:
+    def scaled_fun(*args, **kwargs):
+      out = fun(*args, **kwargs)
+      value, aux = out if has_aux else (out, None)
+      return self.scale(value), (value, aux)
+
+    grad_fn = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+    def value_and_scaled_grad(*args, **kwargs):
+      (_, (value, aux)), grads = grad_fn(*args, **kwargs)
+      return ((value, aux) if has_aux else value), grads
+
+    return value_and_scaled_grad
+
+  def unscale_and_adjust(
+    self: Any, scaled_grads: Any, params: Any = None, *, axis_name: Any = None
+  ):
+    def unscaled():
+      return _tree_util.cast_like_params(self.unscale(scaled_grads), params)
+
+    grads = unscaled()
+    finite = _combine(
+      _unscaled_all_finite(unscaled, scaled_grads, grads, self.loss_scale), axis_name
+    )
+    return grads, finite, self.adjust(finite)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoOpLossScale(_UniformScale):
+  """A loss scale of 1: scale and unscale return their input unchanged.
+
+  With :func:`jmp_lite.loss_scaling` it still skips steps with non-finite
+  gradients, which is what bf16 training needs.
+
+  >>> NoOpLossScale().scale(jnp.float32(3.0)).item()
+  3.0
+  """
+
+  @property
+  def loss_scale(self) -> np.ndarray:
+    return np.ones((), np.float32)
+
+  @property
+  def at_minimum(self) -> jax.Array:
+    return jnp.zeros((), jnp.bool_)
+
+  def scale(self, tree: T) -> T:
+    return tree
+
+  def unscale(self, tree: T) -> T:
+    return tree
+
+  def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+    _validation.check_predicate(grads_finite, "grads_finite")
+    return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticLossScale(_UniformScale):
+  """Scales and unscales by a fixed ``loss_scale`` (use a power of two).
+
+  ``scale`` multiplies floating leaves by S with JAX's type promotion (a fp32
+  S turns a fp16 loss into fp32, as in jmp); ``unscale`` multiplies by 1/S in
+  at least fp32, so fp16/bf16 gradients come back as fp32. Non-floating leaves
+  (integers, ``float0`` gradients) pass through.
+
+  >>> scale = StaticLossScale(2.0**10)
+  >>> scale.scale(jnp.float32(0.5)).item()
+  512.0
+  >>> grads = scale.unscale({"w": jnp.full(2, 1024.0, jnp.float16)})
+  >>> grads["w"].dtype.name, grads["w"].tolist()
+  ('float32', [1.0, 1.0])
+  """
+
+  loss_scale: jax.Array
+
+  def __post_init__(self):
+    object.__setattr__(self, "loss_scale", _validation.as_scale(self.loss_scale, "loss_scale"))
+
+  @property
+  def at_minimum(self) -> jax.Array:
+    return jnp.zeros((), jnp.bool_)
+
+  def scale(self, tree: T) -> T:
+    return _tree_util.scale_tree(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    return _tree_util.unscale_tree(tree, self.loss_scale)
+
+  def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+    _validation.check_predicate(grads_finite, "grads_finite")
+    return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DynamicLossScale(_UniformScale):
+  """A loss scale that finds the largest value keeping gradients finite.
+
+  ``adjust(grads_finite)`` implements::
+
+    if grads_finite:
+      overflow_streak = 0
+      counter += 1
+      if counter == period:
+        counter = 0
+        if loss_scale * factor is finite and <= max_loss_scale:
+          loss_scale *= factor
+    else:
+      counter = 0
+      overflow_streak += 1
+      if overflow_streak >= hysteresis:
+        loss_scale = max(loss_scale / factor, min_loss_scale)
+
+  With the defaults (``hysteresis=1``, no ``max_loss_scale``) this is jmp's
+  rule. Unlike jmp, ``min_loss_scale`` survives ``jit``/``tree_map``/``scan``,
+  fp16 and bf16 scales work (arithmetic stays in the scale's dtype), and
+  growth never reaches inf.
+
+  Args:
+    loss_scale: initial scale, a positive scalar; its dtype (default float32
+      for Python numbers) is kept. Use a power of two, e.g. ``2.0 ** 15``.
+    counter: consecutive finite steps so far, in ``[0, period)``.
+    period: finite steps between growths, >= 1.
+    factor: growth and back-off factor, > 1 (2 keeps powers of two exact).
+    min_loss_scale: the scale never goes below this.
+    max_loss_scale: the scale never grows above this (default: no bound but
+      finiteness in the scale's dtype).
+    hysteresis: back off only after this many consecutive non-finite steps
+      (then on each further one); 1 backs off on every overflow.
+    overflow_streak: consecutive non-finite steps so far (state, usually 0).
+
+  >>> scale = DynamicLossScale(2.0 ** 15, period=2)
+  >>> float(scale.adjust(jnp.array(True)).adjust(jnp.array(True)).loss_scale)
+  65536.0
+  """
+
+  loss_scale: jax.Array
+  counter: jax.Array = 0  # type: ignore[assignment]  # made an array in __post_init__
+  period: int = 2000
+  factor: float = 2
+  min_loss_scale: float = 1.0
+  _: dataclasses.KW_ONLY
+  max_loss_scale: float | None = None
+  hysteresis: int = 1
+  overflow_streak: jax.Array = 0  # type: ignore[assignment]  # made an array in __post_init__
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    scale = _validation.as_scale(self.loss_scale, "loss_scale", warn_integer=True)
+    set_("loss_scale", scale)
+    period = self.period
+    if isinstance(period, (float, np.floating)) and float(period).is_integer():
+      period = int(period)  # jmp accepts period=2000.0; 2000.5 still raises below
+    set_("period", _validation.check_int(period, "period", 1))
+    set_("hysteresis", _validation.check_int(self.hysteresis, "hysteresis", 1))
+    if isinstance(self.factor, (bool, np.bool_)) or not isinstance(self.factor, numbers.Real):
+      raise TypeError(f"factor must be a real number > 1, got {self.factor!r}.")
+    if not (math.isfinite(self.factor) and self.factor > 1):
+      raise ValueError(f"factor must be finite and > 1, got {self.factor}.")
+    low = _validation.as_bound(self.min_loss_scale, "min_loss_scale", scale.dtype)
+    set_("min_loss_scale", low)
+    if self.max_loss_scale is not None:
+      high = _validation.as_bound(self.max_loss_scale, "max_loss_scale", scale.dtype)
+      if high < low:
+        raise ValueError(f"max_loss_scale={high} is below min_loss_scale={low}.")
+      set_("max_loss_scale", high)
+    if _validation.is_concrete(scale) and not (
+      low <= float(scale) <= (self.max_loss_scale or math.inf)
+    ):
+      raise ValueError(
+        f"loss_scale={float(scale)} is outside [min_loss_scale, max_loss_scale]"
+        f" = [{low}, {self.max_loss_scale}]."
+      )
+    set_("counter", self._as_count(self.counter, "counter", self.period - 1))
+    set_(
+      "overflow_streak", self._as_count(self.overflow_streak, "overflow_streak", self.hysteresis)
+    )
+
+  @staticmethod
+  def _as_count(value: Any, name: str, largest: int) -> jax.Array:
+    count = jnp.asarray(value)
+    if not jnp.issubdtype(count.dtype, jnp.integer) or count.shape != ():
+      raise TypeError(f"{name} must be an integer scalar, got {value!r}.")
+    count = jnp.asarray(count, jnp.int32)
+    if _validation.is_concrete(count) and not 0 <= int(count) <= largest:
+      raise ValueError(f"{name} must be in [0, {largest}], got {int(count)}.")
+    return count
+
+  @property
+  def at_minimum(self) -> jax.Array:
+    return self.loss_scale <= jnp.asarray(self.min_loss_scale, self.loss_scale.dtype)
+
+  def scale(self, tree: T) -> T:
+    return _tree_util.scale_tree(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    return _tree_util.unscale_tree(tree, self.loss_scale)
+
+  def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+    """Returns the next state given whether this step's gradients were finite."""
+    finite = _validation.check_predicate(grads_finite, "grads_finite")
+    scale = self.loss_scale
+
+    grown = scale * self.factor
+    can_grow = jnp.isfinite(grown)
+    if self.max_loss_scale is not None:
+      can_grow &= grown <= self.max_loss_scale
+    grow = (self.counter == self.period - 1) & can_grow
+    streak = jnp.where(finite, 0, jnp.minimum(self.overflow_streak + 1, self.hysteresis))
+    shrink = ~finite & (streak >= self.hysteresis)
+    shrunk = jnp.maximum(scale / self.factor, jnp.asarray(self.min_loss_scale, scale.dtype))
+
+    return _tree_util.replace_fields(
+      self,
+      loss_scale=jnp.where(finite, jnp.where(grow, grown, scale), jnp.where(shrink, shrunk, scale)),
+      counter=jnp.where(finite, (self.counter + 1) % self.period, 0),
+      overflow_streak=streak,
+    )
+
+
+_tree_util.register_dataclass(NoOpLossScale, (), ())
+_tree_util.register_dataclass(StaticLossScale, ("loss_scale",), ())
+_tree_util.register_dataclass(
+  DynamicLossScale,
+  ("loss_scale", "counter", "overflow_streak"),
+  ("period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"),
+)
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+  """Whether every floating-point value in ``tree`` is finite (a bool scalar).
+
+  Non-floating leaves (integers, ``float0``) are ignored; an empty tree is
+  finite. With ``axis_name`` (a name or tuple of names bound by ``shard_map``,
+  ``pmap`` or ``vmap``) the answer is combined across that axis, so every
+  device takes the same decision. Under sharded ``jit`` no axis name is needed:
+  the reduction is already global.
+
+  >>> all_finite({"w": jnp.ones(3), "step": jnp.array(7)}).item()
+  True
+  >>> all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf], jnp.float16)]).item()
+  False
+  """
+  leaves = _finite.inexact_leaves(tree)
+  # Exact on every backend; a sum guarded by a conditional on XLA:CPU, one
+  # fused all(isfinite) pass elsewhere (jmp_lite/_finite.py says why).
+  finite = _finite.all_finite(lambda: leaves) if leaves else jnp.array(True)
+  return _combine(finite, axis_name)
+
+
+def _combine(finite: jax.Array, axis_name: Any) -> jax.Array:
+  """Makes every device along ``axis_name`` take the same decision."""
+  if axis_name is not None:
+    finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  return finite
+
+
+def _unscaled_all_finite(
+  unscaled: Callable[[], Any], scaled_grads: Any, grads: Any, loss_scale: Any
+) -> jax.Array:
+  """``all_finite(grads)`` for ``grads = unscaled()``, reading the gradients once.
+
+  The check traces its own unscale (XLA merges the copies): XLA:GPU and TPU
+  fuse it into the ``all(isfinite)`` reduction. XLA:CPU sums the scaled
+  gradients instead, which vouch for the unscaled ones when ``1/S <= 1`` and
+  the cast to the parameter dtype does not narrow (fp32 to fp16 can overflow a
+  finite value: such leaves are summed after the cast); its exact fallback
+  unscales inside the conditional, so the unscaled gradients are never
+  materialised for it.
+  """
+  if not _finite.inexact_leaves(grads):
+    return jnp.array(True)
+  proxies = []
+  for scaled, grad in zip(
+    jax.tree_util.tree_leaves(scaled_grads), jax.tree_util.tree_leaves(grads), strict=True
+  ):
+    if _finite.is_inexact(grad):
+      wide = jnp.promote_types(jnp.result_type(scaled), jnp.float32)
+      proxies.append(scaled if jnp.promote_types(wide, grad.dtype) == grad.dtype else grad)
+  return _finite.all_finite(
+    lambda: _finite.inexact_leaves(unscaled()), proxies, jnp.asarray(loss_scale) >= 1
+  )
+
+
+def select_tree(pred: jax.Array, a: T, b: T) -> T:
+  """Leaf-wise ``a if pred else b`` for two trees of the same structure.
+
+  ``pred`` must be a boolean scalar (checked at trace time); matching leaves
+  must have the same shape and dtype.
+
+  >>> select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"].tolist()
+  [0.0, 0.0]
+  """
+  pred = _validation.check_predicate(pred, "pred")
+  return jax.tree_util.tree_map(lambda x, y: lax.select(pred, jnp.asarray(x), jnp.asarray(y)), a, b)

@@ -1,0 +1,205 @@
+"""Loss scaling as an Optax gradient transformation.
+
+:func:`loss_scaling` wraps any optimizer. Its ``update`` takes the gradients of
+the *scaled* loss and does, in one jitted step with no host sync:
+
+.. math::
+
+  g = \\mathrm{cast}_{p}\\big(\\hat g / S_t\\big), \\qquad
+  \\text{finite} = \\textstyle\\bigwedge_i \\mathrm{isfinite}(g_i), \\qquad
+  (u, s') = \\begin{cases}
+    \\mathrm{inner}(g, s) & \\text{finite} \\\\
+    (0, s) & \\text{otherwise}
+  \\end{cases}, \\qquad
+  S_{t+1} = \\mathrm{adjust}(S_t, \\text{finite})
+
+where :math:`\\hat g` are the scaled gradients, :math:`S_t` the loss scale that
+produced them, :math:`\\mathrm{cast}_p` a cast to at least fp32 (or the
+parameter dtype), and :math:`s` the inner optimizer's state. A skipped step
+leaves the inner state bit-identical (Adam's step count does not advance) and
+returns zero updates, so no NaN ever reaches the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_lite._loss_scale import LossScale
+
+
+class LossScalingState(NamedTuple):
+  """State of :func:`loss_scaling`.
+
+  Attributes:
+    loss_scale: the loss scale to use for the *next* step's loss.
+    inner_state: the wrapped optimizer's state.
+    steps: number of ``update`` calls so far (int32).
+    skipped_steps: number of steps skipped because of non-finite gradients.
+    consecutive_skips: skipped steps since the last applied one.
+    last_finite: whether the last step's gradients were finite.
+  """
+
+  loss_scale: LossScale
+  inner_state: optax.OptState
+  steps: jax.Array
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  last_finite: jax.Array
+
+
+def _is_loss_scale(x: Any) -> bool:
+  return isinstance(x, LossScale)
+
+
+def loss_scaling(
+  inner: optax.GradientTransformation,
+  loss_scale: LossScale,
+  *,
+  axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` so that it takes gradients of a scaled loss.
+
+  Args:
+    inner: the optimizer (any Optax transformation, e.g. a chain with clipping:
+      clipping inside ``inner`` sees the true, unscaled gradients).
+    loss_scale: the initial loss scale: any :class:`LossScale`
+      (:class:`NoOpLossScale`, :class:`StaticLossScale`,
+      :class:`DynamicLossScale`, :class:`LayerwiseLossScale`).
+    axis_name: under ``shard_map``/``pmap``, the axis (or axes) whose devices
+      must agree on skipping a step. Not needed under sharded ``jit``.
+
+  Returns:
+    A transformation whose ``update(scaled_grads, state, params=None,
+    **extra_args)`` unscales, checks finiteness once, calls ``inner`` or skips,
+    and adjusts the loss scale. Extra arguments (e.g. ``value=loss`` for
+    ``optax.contrib.reduce_on_plateau``) are passed to ``inner``; pass the
+    unscaled loss.
+
+  Example::
+
+    tx = jl.loss_scaling(optax.adam(1e-3), jl.DynamicLossScale(2.0 ** 15))
+    opt_state = tx.init(params)
+    loss, grads = jl.scaled_value_and_grad(loss_fn, opt_state)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+
+  Put ``loss_scaling`` outermost (or first in a chain): transformations before
+  it would see scaled gradients, and those after it see zero updates on a
+  skipped step but still advance their own state.
+  """
+  if isinstance(inner, optax.MultiSteps):
+    inner = inner.gradient_transformation()
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      "inner must be an optax.GradientTransformation (or optax.MultiSteps), got "
+      f"{type(inner).__name__}."
+    )
+  if not _is_loss_scale(loss_scale):
+    raise TypeError(
+      "loss_scale must be a jmp_lite.LossScale (NoOpLossScale, StaticLossScale, "
+      f"DynamicLossScale, LayerwiseLossScale), got {type(loss_scale).__name__}."
+    )
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params):
+    # Distinct buffers per field: a train step may donate its state.
+    return LossScalingState(
+      loss_scale=loss_scale,
+      inner_state=inner.init(params),
+      steps=jnp.zeros((), jnp.int32),
+      skipped_steps=jnp.zeros((), jnp.int32),
+      consecutive_skips=jnp.zeros((), jnp.int32),
+      last_finite=jnp.ones((), jnp.bool_),
+    )
+
+  def update(scaled_grads, state, params=None, **extra_args):
+    grads, finite, loss_scale = state.loss_scale.unscale_and_adjust(
+      scaled_grads, params, axis_name=axis_name
+    )
+    updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    # jnp.where never lets the NaN of the unselected branch through.
+    updates = optax.tree_utils.tree_where(finite, updates, optax.tree.zeros_like(updates))
+    inner_state = optax.tree_utils.tree_where(finite, inner_state, state.inner_state)
+    return updates, LossScalingState(
+      loss_scale=loss_scale,
+      inner_state=inner_state,
+      steps=optax.safe_increment(state.steps),
+      skipped_steps=jnp.where(
+        finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+      ),
+      consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
+      last_finite=finite,
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
+  """Finds the (single) :class:`LossScalingState` inside an optimizer state.
+
+  Works through ``optax.chain`` tuples, ``MultiSteps``, ``inject_hyperparams``
+  and any other pytree nesting.
+
+  Raises:
+    ValueError: if there is none, or more than one.
+  """
+  if isinstance(opt_state, LossScalingState):
+    return opt_state
+  found = [
+    x
+    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScalingState))
+    if isinstance(x, LossScalingState)
+  ]
+  if len(found) != 1:
+    what = "no" if not found else f"{len(found)}"
+    raise ValueError(
+      f"Found {what} loss_scaling states in the optimizer state of type "
+      f"{type(opt_state).__name__}; expected exactly one. Build the optimizer with "
+      "jl.loss_scaling(inner, loss_scale) and pass its state."
+    )
+  return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+  """Returns the current loss scale held in an optimizer state.
+
+  ``opt_state`` may be the state of :func:`loss_scaling` itself or any state
+  containing it (a chain, ``MultiSteps``, a Flax ``TrainState.opt_state``...).
+  A loss scale passed directly is returned as is.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no (or more than one) loss scaling state.
+  """
+  if _is_loss_scale(opt_state):
+    return opt_state
+  return get_loss_scaling_state(opt_state).loss_scale
+
+
+def scaled_value_and_grad(
+  fun: Callable[..., Any],
+  loss_scale: Any,
+  *,
+  has_aux: bool = False,
+  argnums: int | tuple[int, ...] = 0,
+) -> Callable[..., tuple[Any, Any]]:
+  """Like :func:`jax.value_and_grad`, differentiating ``loss_scale * fun``.
+
+  Args:
+    fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
+    loss_scale: a loss scale, or an optimizer state containing one (see
+      :func:`get_loss_scale`).
+    has_aux: as in :func:`jax.value_and_grad`.
+    argnums: as in :func:`jax.value_and_grad`.
+
+  Returns:
+    A function with ``fun``'s signature returning ``(value, scaled_grads)``:
+    ``value`` is the *unscaled* loss (or ``(loss, aux)``); ``scaled_grads`` go
+    straight into the :func:`loss_scaling` transformation's ``update``, which
+    unscales them.
+  """
+  return get_loss_scale(loss_scale).value_and_grad(fun, has_aux=has_aux, argnums=argnums)

@@ -1,0 +1,270 @@
+"""Attention whose softmax runs in fp32 and keeps only 16-bit residuals.
+
+The softmax is the precision-sensitive step of attention: ``exp`` of logits
+near bf16's coarse spacing (``2^-7`` relative) and a sum over the key length
+that bf16 would round at every step. :func:`softmax` therefore computes
+
+.. math::
+
+  p = \\mathrm{round}_{16}\\big(\\mathrm{softmax}(\\mathrm{fp32}(z))\\big)
+
+in fp32 and rounds only its result. Its backward pass,
+:math:`\\bar z = p \\odot (\\bar p - \\langle \\bar p, p \\rangle)`, is also
+computed in fp32, from the 16-bit ``p``: storing ``p`` in fp32 would make the
+attention probabilities, the largest activation of a transformer, cost as
+much memory as in an fp32 model (JAX's ``softmax`` keeps its fp32 output as
+the residual, and ``p`` is saved again in 16 bits for the ``p @ v`` matmul).
+
+A mask ``m`` (``where=``) is applied inside the softmax, as Flax's attention
+does: :math:`p = \\mathrm{softmax}(\\mathrm{where}(m, z, \\mathrm{finfo.min}))`.
+Masked-out entries get probability 0; a row with every entry masked is uniform
+(``1/n`` to one rounding, Flax's ``dot_product_attention`` convention; :func:`jax.nn.softmax`
+with ``where=`` returns 0 there instead) and, since it does not depend on the
+logits, its gradient is 0, as in both. The backward formula is the derivative
+with respect to the *masked* logits, so it is multiplied by ``m``: in a row
+with an unmasked entry that changes nothing (masked ``p`` are 0), and a fully
+masked row needs a flag saying so. Only that flag, the mask reduced over
+``axis`` (one boolean per row), is saved, never the mask itself.
+
+>>> m = jnp.array([[True, False, True], [False, False, False]])
+>>> softmax(jnp.zeros((2, 3)), where=m)
+Array([[0.5      , 0.       , 0.5      ],
+       [0.3333333, 0.3333333, 0.3333333]], dtype=float32)
+>>> jax.grad(lambda z: softmax(z, where=m) @ jnp.arange(3.0) @ jnp.ones(2))(jnp.zeros((2, 3)))
+Array([[-0.5,  0. ,  0.5],
+       [ 0. ,  0. ,  0. ]], dtype=float32)
+
+:func:`dot_product_attention` is a drop-in ``attention_fn`` for Flax's linen
+``MultiHeadDotProductAttention`` and NNX ``MultiHeadAttention``: it accepts
+the keyword arguments either passes, computes both matmuls with
+:func:`~jmp_lite.flax.accumulate.einsum` (16-bit products) and the softmax
+with :func:`softmax`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmp_lite.flax import _accumulate as accumulate
+
+
+def softmax(logits: jax.Array, axis: int = -1, where: jax.Array | None = None) -> jax.Array:
+  """Softmax computed in fp32, returned (and saved for backward) in ``logits.dtype``.
+
+  Reverse-mode differentiable; not forward-mode (a :func:`jax.custom_vjp`).
+
+  Args:
+    logits: the scores; for fp32 (or wider) logits and no fully masked row this
+      is :func:`jax.nn.softmax`.
+    axis: the axis to normalize over.
+    where: an optional boolean mask broadcastable to ``logits`` (without
+      changing its shape); masked-out entries get probability 0. A fully
+      masked row is uniform, as with Flax's ``finfo.min`` masking (not 0 as
+      with :func:`jax.nn.softmax`), and its gradient is 0, as with both.
+      Applying the mask here rather than with ``jnp.where`` on the logits
+      keeps neither the mask nor the masked logits as residuals (only one
+      boolean per row, whether it has an unmasked entry).
+
+  Returns:
+    The probabilities, of ``logits``' shape and dtype.
+
+  Raises:
+    ValueError: if ``where`` does not broadcast to ``logits``' shape.
+  """
+  if where is not None:
+    where = jnp.asarray(where, jnp.bool_)
+    shape = np.shape(logits)
+    try:
+      broadcast = jnp.broadcast_shapes(where.shape, shape)
+    except ValueError:
+      broadcast = None
+    if broadcast != shape:
+      raise ValueError(
+        f"where must broadcast to the logits' shape {shape}, got shape {where.shape}."
+      )
+    # Same rank as the logits, so that ``axis`` names the same dimension of both.
+    where = where.reshape((1,) * (len(shape) - where.ndim) + where.shape)
+  return _softmax(logits, where, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax(logits, where, axis):
+  compute = jnp.promote_types(logits.dtype, jnp.float32)
+  x = logits.astype(compute)
+  if where is not None:
+    x = jnp.where(where, x, jnp.finfo(compute).min)
+  shifted = x - jnp.max(x, axis=axis, keepdims=True)
+  log_total = jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
+  # exp(shifted - log_total), not exp(shifted) / total: the two exps differ, so
+  # XLA recomputes the exponential from the 16-bit logits in each of its two
+  # passes instead of writing exp(shifted) out in fp32 (twice the bytes of the
+  # probabilities) to read it back. A fully masked row is 0 - log(n): 1/n each.
+  return jnp.exp(shifted - log_total).astype(logits.dtype)
+
+
+def _softmax_fwd(logits, where, axis):
+  probs = _softmax(logits, where, axis)
+  # Whether each row has an unmasked entry: of the mask's (unbroadcast) size
+  # divided by the row length, so the mask itself is not kept.
+  live = None if where is None else jnp.any(where, axis=axis, keepdims=True)
+  return probs, (probs, live)
+
+
+def _softmax_bwd(axis, residuals, cotangent):
+  probs, live = residuals
+  # dz = m * p * (dp - <dp, p>): the softmax's derivative with respect to the
+  # masked logits, times that of where(m, z, finfo.min). Masked entries of a
+  # row with an unmasked one have p = 0 already; a fully masked row has
+  # uniform p that does not depend on z, and only ``live`` says so.
+  compute = jnp.promote_types(probs.dtype, jnp.float32)
+  # <dp, p> as a dot product of the 16-bit arrays with an fp32 result: exact
+  # products, an fp32 sum. Widening dp once for both uses instead would let
+  # XLA:GPU fuse that cast into the matmul producing dp, which then writes an
+  # fp32 [heads, q, k] array (twice the bytes of the attention probabilities)
+  # per layer; read as 16 bits by both uses, dp stays 16-bit in memory.
+  inner = jnp.einsum("...k,...k->...", _last(cotangent, axis), _last(probs, axis),
+                     preferred_element_type=compute)  # fmt: skip
+  inner = jnp.expand_dims(inner, axis)
+  grad = probs.astype(compute) * (cotangent.astype(compute) - inner)
+  if live is not None:
+    grad = jnp.where(live, grad, 0)
+  return grad.astype(probs.dtype), None
+
+
+def _last(x: jax.Array, axis: int) -> jax.Array:
+  return jnp.moveaxis(x, axis, -1)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def _sow_weights(module: Any, weights: jax.Array) -> None:
+  if isinstance(module, nnx.Module):
+    module.sow(nnx.Intermediate, "attention_weights", weights)
+  else:
+    module.sow("intermediates", "attention_weights", weights)
+
+
+def dot_product_attention(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  broadcast_dropout: bool = True,
+  dropout_rng: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = False,
+  dtype: Any = None,
+  precision: Any = None,
+  module: Any = None,
+  force_fp32_for_softmax: bool = False,
+  einsum_dot_general: Callable[..., jax.Array] | None = None,
+  qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+  attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+  promote_dtype: Callable[..., Any] | None = None,
+  is_causal: bool = False,
+) -> jax.Array:
+  """Scaled dot-product attention with an fp32 softmax and 16-bit matmuls.
+
+  .. math::
+
+    \\mathrm{out} = \\mathrm{softmax}_{32}\\Big(\\frac{q k^\\top}{\\sqrt d} + b,
+    \\ \\mathrm{mask}\\Big)\\, v
+
+  Shapes follow Flax: ``query`` ``[batch..., q_len, heads, depth]``, ``key``
+  and ``value`` ``[batch..., kv_len, kv_heads, depth]`` (``kv_heads`` may
+  divide ``heads``: grouped-query attention), ``bias``/``mask`` broadcastable
+  to ``[batch..., heads, q_len, kv_len]``. The result has ``query``'s shape and
+  the (promoted) input dtype.
+
+  Args:
+    query, key, value, bias, mask: as in :func:`flax.linen.dot_product_attention`
+      and :func:`flax.nnx.dot_product_attention`, as are ``broadcast_dropout``,
+      ``dropout_rng``, ``dropout_rate``, ``deterministic``, ``dtype``,
+      ``precision``, ``module`` and ``is_causal``.
+    force_fp32_for_softmax: ignored: the softmax is always computed in fp32
+      (linen's attention module passes its own default, ``False``; swapping
+      this function in is how a policy asks for fp32).
+    einsum_dot_general: a ``dot_general`` for both matmuls (default
+      :func:`jmp_lite.flax.dot_general`).
+    qk_attn_weights_einsum, attn_weights_value_einsum: einsums for the two
+      matmuls (e.g. quantized ones); they replace the default.
+    promote_dtype: NNX's dtype promotion hook, ``promote_dtype((q, k, v),
+      dtype=dtype)``; by default the three are cast to ``dtype`` or to their
+      common type.
+  """
+  del force_fp32_for_softmax  # Flax's modules pass False by default; fp32 is the point here.
+  if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
+    raise ValueError(
+      "qk_attn_weights_einsum and attn_weights_value_einsum must be given together, got "
+      f"{qk_attn_weights_einsum!r} and {attn_weights_value_einsum!r}."
+    )
+  if promote_dtype is not None:
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  else:
+    dtype = dtype or jnp.result_type(query, key, value)
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+  dtype = query.dtype
+  if query.ndim != key.ndim or key.ndim != value.ndim or query.ndim < 3:
+    raise ValueError(
+      "query, key and value must have the same rank >= 3 ([batch..., length, heads, depth]), "
+      f"got shapes {query.shape}, {key.shape} and {value.shape}."
+    )
+  heads, kv_heads = query.shape[-2], key.shape[-2]
+  if heads % kv_heads or value.shape[-2] != kv_heads:
+    raise ValueError(
+      f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}, "
+      f"{value.shape[-2]}), which must match."
+    )
+
+  qk_einsum: Callable[..., jax.Array]
+  pv_einsum: Callable[..., jax.Array]
+  if qk_attn_weights_einsum is None or attn_weights_value_einsum is None:  # both, see above
+    dot = einsum_dot_general or accumulate.dot_general
+    qk_einsum = functools.partial(jnp.einsum, precision=precision, _dot_general=dot)
+    pv_einsum = qk_einsum
+  else:
+    qk_einsum, pv_einsum = qk_attn_weights_einsum, attn_weights_value_einsum
+
+  groups = heads // kv_heads
+  scale = jnp.sqrt(query.shape[-1]).astype(dtype)
+  if groups == 1:
+    logits = qk_einsum("...qhd,...khd->...hqk", query / scale, key)
+  else:  # grouped-query attention: view the query heads as [kv_heads, groups]
+    q = query.reshape((*query.shape[:-2], kv_heads, groups, query.shape[-1]))
+    logits = qk_einsum("...qhgd,...khd->...hgqk", q / scale, key)
+    logits = logits.reshape((*logits.shape[:-4], heads, *logits.shape[-2:]))
+  if bias is not None:
+    logits = logits + jnp.asarray(bias, dtype)
+  masks = [] if mask is None else [jnp.asarray(mask, jnp.bool_)]
+  if is_causal:
+    q_len, kv_len = logits.shape[-2:]
+    masks.append(jnp.tril(jnp.ones((q_len, kv_len), jnp.bool_)))
+  where = None
+  for m in masks:
+    where = m if where is None else where & m
+  weights = softmax(logits, -1, where)
+  if module is not None:
+    _sow_weights(module, weights)
+  if not deterministic and dropout_rate > 0.0:
+    keep_prob = 1.0 - dropout_rate
+    if broadcast_dropout:
+      # One mask shared by the batch and head dimensions, as in Flax.
+      shape = (1,) * (weights.ndim - 2) + weights.shape[-2:]
+    else:
+      shape = weights.shape
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)  # type: ignore[arg-type]
+    weights = weights * (keep.astype(dtype) / np.asarray(keep_prob, dtype))
+  if groups == 1:
+    return pv_einsum("...hqk,...khd->...qhd", weights, value)
+  weights = weights.reshape((*weights.shape[:-3], kv_heads, groups, *weights.shape[-2:]))
+  out = pv_einsum("...hgqk,...khd->...qhgd", weights, value)
+  return out.reshape((*out.shape[:-3], heads, out.shape[-1]))

@@ -1,0 +1,390 @@
+"""Run a Flax linen model under a precision policy, without editing it.
+
+:func:`policy_apply` returns a function with the signature of
+``module.apply`` that runs the model in mixed precision::
+
+  policy = jl.get_policy("params=float32,compute=bfloat16,output=float32")
+  apply_fn = jl.flax.policy_apply(model, policy)
+  logits = apply_fn({"params": params}, tokens)  # fp32 logits, bf16 inside
+  grads = jax.grad(lambda p: loss(apply_fn({"params": p}, tokens)))(params)  # fp32 grads
+
+Inside, every module method call (``__call__``, ``setup``-defined methods,
+``method=`` targets) is intercepted with :func:`flax.linen.intercept_methods`,
+Flax's own interception mechanism, for the duration of that ``apply`` only.
+Per call it casts inputs to the module's compute dtype, casts outputs to its
+output dtype, and swaps Flax's default matmul/attention kernels for jmp_lite's
+while the module runs (see :mod:`jmp_lite.flax.module_policy`). Parameters are
+cast to the compute dtype of the module that owns them before the model runs;
+which module owns which parameter, and which layers compute the model's
+output, is found by tracing the model once abstractly (``jax.eval_shape``, no
+FLOPs, once per ``jit`` trace), since linen creates submodules lazily.
+The stored parameters, and those ``init`` creates, stay in the param dtype.
+
+Nothing is registered globally: the interceptor is installed in a ``with``
+block around one ``apply`` and holds only that call's state, so two models
+applied one after the other cannot see each other's policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx, traverse_util
+from flax.core import FrozenDict, meta
+
+from jmp_lite import _dtypes as dtypes
+from jmp_lite._policy import Policy
+from jmp_lite.flax._module_policy import (
+  CallRecord,
+  ModulePolicies,
+  ModulePolicy,
+  Resolved,
+  cast_floating,
+  explicit_dtype,
+  nearest,
+  output_chain,
+  recomputed,
+  record_call,
+  warn_explicit_dtypes,
+)
+
+_PARAMS = "params"
+
+
+@contextlib.contextmanager
+def _attributes_set(module: nn.Module, updates: Mapping[str, Any]):
+  """Sets dataclass fields of a bound module for the duration of one call.
+
+  Linen modules are frozen dataclasses, so ``object.__setattr__`` is the only
+  way in. The instance is the bound clone ``apply`` made for this call (never
+  the user's module), and the old values come back on exit, so nothing
+  outlives the call.
+  """
+  saved = {name: getattr(module, name) for name in updates}
+  for name, value in updates.items():
+    object.__setattr__(module, name, value)
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      object.__setattr__(module, name, value)
+
+
+def _creates_variables(module: nn.Module) -> bool:
+  """Whether ``module`` may create parameters or record intermediates in this call.
+
+  Such a module must not run under :func:`jax.checkpoint`: the variables it
+  stores would be tracers of the checkpoint's trace, leaking out of it (under
+  ``init``, as values of the returned parameters).
+  """
+  return (
+    module.is_initializing()
+    or module.is_mutable_collection(_PARAMS)
+    or module.is_mutable_collection("intermediates")
+  )
+
+
+class _Interceptor:
+  """The method interceptor of one ``apply`` call (its state dies with it)."""
+
+  def __init__(
+    self,
+    policies: ModulePolicies,
+    owners: dict[tuple, np.dtype] | None,
+    found: dict[str, tuple[str, np.dtype, np.dtype]] | None = None,
+    wide_paths: frozenset[tuple] = frozenset(),
+  ):
+    self.policies = policies
+    # While discovering: the compute dtype each module (scope path) reads its params in.
+    self.owners = owners
+    # Modules whose own dtype= differs from the policy's: path -> (class, dtype, policy dtype).
+    self.found = found
+    # Modules whose output is the model's output (found while discovering): they
+    # return the policy's output dtype, and a matmul among them produces it directly.
+    self.wide_paths = wide_paths
+    self.calls: list[CallRecord] = []  # while discovering, in exit order
+    self.stack: list[Resolved] = []  # the enclosing module calls, outermost first
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module = context.module
+    resolved = self.policies.resolve(
+      type(module), self.stack[-1] if self.stack else None, explicit_dtype(module)
+    )
+    if self.owners is not None:
+      self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
+    if self.found is not None and resolved.explicit_dtype is not None:
+      self.found.setdefault(
+        "/".join(module.path),
+        (type(module).__name__, resolved.explicit_dtype, resolved.policy_dtype),
+      )
+    if context.method_name == "setup":
+      return next_fun(*args, **kwargs)
+    is_root = not self.stack
+    path = tuple(module.path)
+    is_output = path in self.wide_paths
+
+    def call(*args, **kwargs):
+      args, kwargs = cast_floating((args, kwargs), resolved.compute_dtype)
+      return next_fun(*args, **kwargs)
+
+    updates = self.policies.attribute_updates(module, resolved, wide_output=is_output)
+    self.stack.append(resolved)
+    try:
+      with _attributes_set(module, updates):
+        if resolved.recompute and self.owners is None and not _creates_variables(module):
+          # The cast happens inside, so the saved inputs are the narrow ones.
+          out = recomputed(call, args, kwargs)
+        else:
+          out = call(*args, **kwargs)
+    finally:
+      self.stack.pop()
+    wide = is_root or is_output
+    returned = cast_floating(out, resolved.root_output_dtype if wide else resolved.output_dtype)
+    if self.owners is not None:
+      self.calls.append(record_call(path, out, returned))
+    return returned
+
+
+def _map_params(params: Any, fn: Callable[[tuple, Any], Any]) -> Any:
+  """Applies ``fn(path, value)`` to every parameter (unboxing Flax metadata)."""
+  was_frozen = isinstance(params, FrozenDict)
+  flat = traverse_util.flatten_dict(
+    params.unfreeze() if was_frozen else dict(params), keep_empty_nodes=True
+  )
+
+  def apply(path, leaf):
+    if leaf is traverse_util.empty_node:
+      return leaf
+    if isinstance(leaf, meta.AxisMetadata):  # e.g. nn.Partitioned: keep the box
+      return leaf.replace_boxed(fn(path, leaf.unbox()))
+    return fn(path, leaf)
+
+  out = traverse_util.unflatten_dict({path: apply(path, v) for path, v in flat.items()})
+  return FrozenDict(out) if was_frozen else out
+
+
+def _check_module(module: Any, caller: str) -> None:
+  if not isinstance(module, nn.Module):
+    raise TypeError(
+      f"{caller} expects a flax.linen Module, got {module!r} of type {type(module).__name__}"
+      + (
+        " (for NNX models use jmp_lite.flax.policy_view)."
+        if isinstance(module, nnx.Module)
+        else "."
+      )
+    )
+  if module.scope is not None:
+    raise TypeError(
+      f"{caller} expects an unbound module (the one you call .apply on); got a bound "
+      f"{type(module).__name__}."
+    )
+
+
+def policy_apply(
+  module: nn.Module,
+  policy: Policy | str,
+  *,
+  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
+  use_default_overrides: bool = True,
+  fp32_accumulation: bool = True,
+  fp32_softmax: bool = True,
+  grad_reduction_dtype: dtypes.DTypeLike | None = None,
+  explicit_dtypes: str = "warn",
+) -> Callable[..., Any]:
+  """Returns ``module.apply`` running under ``policy``.
+
+  The returned function takes exactly ``module.apply``'s arguments
+  (``variables, *args, rngs=None, method=None, mutable=False,
+  capture_intermediates=False, **kwargs``) and returns what it returns.
+
+  * Parameters (the ``"params"`` collection) are cast to the compute dtype of
+    the module that owns them; other collections (``batch_stats``, caches) are
+    left alone. Gradients with respect to ``variables`` therefore come back in
+    the param dtype.
+  * Each module call casts floating inputs to its compute dtype and floating
+    outputs to its output dtype; the outermost call returns the policy's
+    output dtype.
+  * Normalization layers and embeddings keep fp32 by default
+    (:data:`~jmp_lite.flax.DEFAULT_OVERRIDES`); attention softmax runs in fp32;
+    16-bit dense/conv/einsum layers run 16-bit matmuls as with Flax's
+    ``dtype=`` (accumulated in fp32 by the hardware), and the layer computing
+    the model's output (the logits) returns the output dtype straight from
+    its matmul (see
+    :class:`~jmp_lite.flax.ModulePolicies`).
+  * If ``"params"`` is mutable, new parameters come back in the param dtype
+    and existing ones unchanged.
+
+  Works under ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.lax.scan``, and
+  with lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) inside the
+  model. Forward-mode differentiation (``jax.jvp``) does not go through the
+  fp32 softmax, the fp32 output layer or ``grad_reduction_dtype`` (reverse-mode
+  rules); pass ``fp32_accumulation=False, fp32_softmax=False`` for it.
+
+  Args:
+    module: an unbound linen module, written with default dtypes (a module
+      built with another ``dtype=`` than the policy gives it keeps that dtype
+      and is named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning`, once
+      per trace; see ``explicit_dtypes``).
+    policy: a :class:`~jmp_lite.Policy` or policy string.
+    overrides: see :class:`~jmp_lite.flax.ModulePolicies`, as for
+      ``use_default_overrides``, ``fp32_accumulation``, ``fp32_softmax``,
+      ``grad_reduction_dtype`` and ``explicit_dtypes``.
+
+  Example::
+
+    apply_fn = jl.flax.policy_apply(model, "p=f32,c=bf16,o=f32",
+                                    overrides={MyAttention: "f32"})
+    logits = apply_fn(variables, x, train=True, rngs={"dropout": key})
+
+  A model written with default dtypes, run in bf16 with fp32 LayerNorm:
+
+  >>> import flax.linen as nn
+  >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+  >>> x = jnp.ones((4, 3))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> apply_fn = jl.flax.policy_apply(model, "p=f32,c=bf16,o=f32")
+  >>> apply_fn(variables, x).dtype.name
+  'float32'
+  >>> grads = jax.grad(lambda v: apply_fn(v, x).sum())(variables)
+  >>> grads["params"]["layers_0"]["kernel"].dtype.name  # gradients of the fp32 masters
+  'float32'
+  """
+  _check_module(module, "policy_apply")
+  policies = ModulePolicies(
+    policy,
+    overrides,
+    use_default_overrides=use_default_overrides,
+    fp32_accumulation=fp32_accumulation,
+    fp32_softmax=fp32_softmax,
+    grad_reduction_dtype=grad_reduction_dtype,
+    explicit_dtypes=explicit_dtypes,
+  )
+  return _make_apply(module, policies)
+
+
+def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., Any]:
+  param_dtype = policies.policy.param_dtype
+
+  def apply_fn(variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+    if not isinstance(variables, Mapping):
+      raise TypeError(
+        f"variables must be a mapping of collections such as {{'params': ...}}, got "
+        f"{type(variables).__name__}."
+      )
+    run = lambda v: module.apply(v, *args, **kwargs)
+    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
+    params = variables.get(_PARAMS)
+    if params is None:  # nothing to cast (e.g. a parameter-free model)
+      with nn.intercept_methods(_Interceptor(policies, None, found)):
+        out = run(variables)
+      _warn(policies, found, "policy_apply")
+      return out
+
+    # Which module owns each parameter: trace abstractly, recording the scope
+    # path and effective compute dtype of every intercepted module call.
+    owners: dict[tuple, np.dtype] = {}
+    discover = _Interceptor(policies, owners)
+    output_paths: frozenset[tuple] = frozenset()
+
+    def trace(v):
+      nonlocal output_paths
+      run(v)
+      output_paths = output_chain(discover.calls)
+      discover.calls.clear()
+
+    with nn.intercept_methods(discover):
+      jax.eval_shape(trace, variables)
+
+    def cast_param(path, value):
+      dtype = nearest(path[:-1], owners)
+      return cast_floating(value, dtype if dtype is not None else policies.policy.compute_dtype)
+
+    cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
+    if isinstance(variables, FrozenDict):
+      cast = FrozenDict(cast)
+    with nn.intercept_methods(_Interceptor(policies, None, found, output_paths)):
+      out = run(cast)
+    _warn(policies, found, "policy_apply")
+
+    mutable = kwargs.get("mutable", False)
+    if mutable is not False and isinstance(out, tuple) and len(out) == 2:
+      result, updated = out
+      if _PARAMS in updated:
+        # Keep the caller's parameters (not their compute-dtype copies); new
+        # ones are stored in the param dtype.
+        original = traverse_util.flatten_dict(
+          params.unfreeze() if isinstance(params, FrozenDict) else dict(params)
+        )
+        fixed = _map_params(
+          updated[_PARAMS],
+          lambda path, v: (
+            meta.unbox(original[path]) if path in original else cast_floating(v, param_dtype)
+          ),
+        )
+        updated = {**updated, _PARAMS: fixed}
+        out = (result, FrozenDict(updated) if isinstance(out[1], FrozenDict) else updated)
+    return out
+
+  apply_fn.policy = policies.policy  # type: ignore[attr-defined]  # read by jl.audit
+  return apply_fn
+
+
+def _warn(policies: ModulePolicies, found: dict, caller: str) -> None:
+  # Once per call of the returned function, i.e. once per trace under jit;
+  # stacklevel 3 points at the user's line calling it.
+  if policies.explicit_dtypes == "warn":
+    warn_explicit_dtypes(found, caller, stacklevel=3)
+
+
+def policy_init(
+  module: nn.Module,
+  policy: Policy | str,
+  *,
+  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
+  use_default_overrides: bool = True,
+  fp32_accumulation: bool = True,
+  fp32_softmax: bool = True,
+  grad_reduction_dtype: dtypes.DTypeLike | None = None,
+  explicit_dtypes: str = "warn",
+) -> Callable[..., Any]:
+  """Returns ``module.init`` running under ``policy``, with params in the param dtype.
+
+  Parameters are created by their initializers in the module's own
+  ``param_dtype`` (fp32 for Flax's layers) and then cast to the policy's
+  param dtype (a no-op for fp32 master weights). The forward pass ``init``
+  runs casts inputs and outputs as :func:`policy_apply` does, and names
+  modules with an explicit ``dtype=`` the same way. Takes ``module.init``'s
+  arguments (``rngs, *args, method=None, mutable=..., **kwargs``); the
+  parameters are those ``module.init`` creates from the same ``rngs``, with
+  lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) too.
+  """
+  _check_module(module, "policy_init")
+  policies = ModulePolicies(
+    policy,
+    overrides,
+    use_default_overrides=use_default_overrides,
+    fp32_accumulation=fp32_accumulation,
+    fp32_softmax=fp32_softmax,
+    grad_reduction_dtype=grad_reduction_dtype,
+    explicit_dtypes=explicit_dtypes,
+  )
+
+  def init_fn(rngs: Any, *args: Any, **kwargs: Any) -> Any:
+    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
+    with nn.intercept_methods(_Interceptor(policies, None, found)):
+      variables = module.init(rngs, *args, **kwargs)
+    _warn(policies, found, "policy_init")
+    if _PARAMS not in variables:
+      return variables
+    params = _map_params(
+      variables[_PARAMS], lambda _, v: cast_floating(v, policies.policy.param_dtype)
+    )
+    out = {**variables, _PARAMS: params}
+    return FrozenDict(out) if isinstance(variables, FrozenDict) else out
+
+  return init_fn

@@ -1,0 +1,317 @@
+"""A low-precision view of a Flax NNX model, for the forward pass.
+
+NNX models are stateful objects, so instead of intercepting ``apply`` the
+policy builds a *view*::
+
+  policy = jl.get_policy("params=float32,compute=bfloat16,output=float32")
+
+  def loss_fn(model):
+    logits = jl.flax.policy_view(model, policy)(tokens)  # fp32 logits, bf16 inside
+    return cross_entropy(logits, tokens)
+
+  grads = nnx.grad(loss_fn)(model)  # fp32, shaped like the model's Params
+
+:func:`policy_view` does not modify ``model``. It builds a copy of the module
+graph (:func:`flax.nnx.split`, :func:`flax.nnx.merge` without copying
+Variables, :func:`flax.nnx.recursive_map`) in which
+
+* every :class:`~flax.nnx.Param` is a new Variable holding the parameter cast
+  to the compute dtype of the module that owns it (the cast is differentiable,
+  so gradients reach the fp32 parameters);
+* every other Variable (``BatchStat``, RNG counters, caches) *is* the model's
+  own, so a forward pass in training mode updates the model's batch
+  statistics exactly as calling the model would;
+* every submodule is wrapped so that its calls (``__call__`` and any public
+  method reached through the parent, e.g. ``self.embed.attend``) cast floating
+  inputs to its compute dtype and outputs to its output dtype, with the same
+  per-class overrides as linen (:mod:`jmp_lite.flax.module_policy`);
+* 16-bit Flax layers get jmp_lite's matmul kernels and attention the fp32
+  softmax, set as attributes on the copies.
+
+The view is cheap (no arrays are copied but the cast parameters) and meant to
+be rebuilt inside each traced step; it holds no global state. Build it at the
+trace level of the model (inside the function ``nnx.jit``/``nnx.grad``
+transforms) and call it anywhere below, ``jax.vmap``/``jax.lax.scan`` bodies
+included: NNX does not let an inner trace split a model from an outer one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import weakref
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.graph import is_graph_node
+
+from jmp_lite import _dtypes as dtypes
+from jmp_lite._policy import Policy
+from jmp_lite.flax._module_policy import (
+  ModulePolicies,
+  ModulePolicy,
+  Resolved,
+  cast_floating,
+  explicit_dtype,
+  nearest,
+  output_chain,
+  recomputed,
+  record_call,
+  warn_explicit_dtypes,
+)
+
+M = TypeVar("M", bound=nnx.Module)
+_F32 = np.dtype(jnp.float32)
+
+
+# While a view's output chain is being discovered: the CallRecord of every wrapped
+# call, in exit order.
+_DISCOVERY: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+  "jmp_lite_policy_view_discovery", default=None
+)
+
+
+# Views whose output chain is not discovered yet (until their first call).
+_UNDISCOVERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class PolicyModule(nnx.Module):
+  """Wraps one module of a :func:`policy_view`: casts its calls' inputs and outputs.
+
+  Attribute reads fall through to the wrapped module (``view.block.norm.scale``
+  works as on the model); public methods reached that way are cast like
+  ``__call__``. ``module`` is the wrapped module.
+  """
+
+  def __init__(
+    self,
+    module: nnx.Module,
+    compute_dtype: np.dtype,
+    output_dtype: np.dtype,
+    recompute: bool = False,
+    path: tuple = (),
+  ):
+    self.module = module
+    self._compute_dtype = np.dtype(compute_dtype)
+    self._output_dtype = np.dtype(output_dtype)
+    self._recompute = bool(recompute)
+    self._path = tuple(path)
+
+  def _cast_call(self, fn, *args, **kwargs):
+    def call(*args, **kwargs):
+      args, kwargs = cast_floating((args, kwargs), self._compute_dtype)
+      return fn(*args, **kwargs)
+
+    # Under recompute the cast happens inside, so the saved inputs are the narrow ones.
+    out = recomputed(call, args, kwargs) if self._recompute else call(*args, **kwargs)
+    returned = cast_floating(out, self._output_dtype)
+    calls = _DISCOVERY.get()
+    if calls is not None:
+      calls.append(record_call(self._path, out, returned))
+    return returned
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    pending = _UNDISCOVERED.pop(self, None)
+    if pending is not None and _DISCOVERY.get() is None:
+      policies, resolved, wrappers = pending
+      self._widen_output_layers(policies, resolved, wrappers, args, kwargs)
+    return self._cast_call(self.module, *args, **kwargs)
+
+  def _widen_output_layers(
+    self,
+    policies: ModulePolicies,
+    resolved: Mapping[tuple, Resolved],
+    wrappers: Mapping[tuple, PolicyModule],
+    args: tuple,
+    kwargs: dict,
+  ) -> None:
+    """Lets the layers that compute the view's output produce the output dtype.
+
+    Once, on the first call: an abstract trace (``nnx.eval_shape``, on a copy
+    of the view) finds the chain of modules whose output is the view's output
+    by identity (as in :func:`~jmp_lite.flax.policy_apply`); their kernels then
+    return the policy's output dtype (fp32 logits) instead of a rounded one.
+    """
+    # Arrays and NNX objects (Rngs) are traced; other arguments (a train flag,
+    # a mode string) stay what they are.
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_graph_node)
+    traced = [isinstance(x, (jax.Array, np.ndarray)) or is_graph_node(x) for x in leaves]
+
+    def call(view, values):
+      it = iter(values)
+      a, k = jax.tree_util.tree_unflatten(
+        treedef, [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
+      )
+      return view(*a, **k)
+
+    calls: list = []
+    token = _DISCOVERY.set(calls)
+    try:
+      nnx.eval_shape(call, self, [x for x, t in zip(leaves, traced, strict=True) if t])
+    finally:
+      _DISCOVERY.reset(token)
+    for path in output_chain(calls):
+      wrapper, r = wrappers[path], resolved[path]
+      updates = policies.attribute_updates(wrapper.module, r, wide_output=True)
+      # Static attributes of the view's own objects. The first call may be
+      # inside a transform (vmap, scan) below the trace the view was built at,
+      # where NNX refuses setattr; nothing traced is stored.
+      object.__setattr__(wrapper, "_output_dtype", np.dtype(r.root_output_dtype))
+      for name, value in updates.items():
+        object.__setattr__(wrapper.module, name, value)
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for names PolicyModule itself lacks. NNX reads private
+    # attributes while it builds objects; those must not recurse into module.
+    if name.startswith("_") or name == "module":
+      raise AttributeError(name)
+    value = getattr(self.module, name)
+    if callable(value) and getattr(value, "__self__", None) is self.module:
+      return functools.partial(self._cast_call, value)
+    return value
+
+
+def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, Resolved]:
+  """The precision of every module of ``model``, by path, parents before children."""
+  modules = {
+    tuple(path): module
+    for path, module in nnx.iter_modules(model)
+    # Containers are transparent: a module in an nnx.List belongs to the list's holder.
+    if not isinstance(module, (nnx.List, nnx.Dict))
+  }
+  resolved: dict[tuple, Resolved] = {}
+  for path in sorted(modules, key=len):
+    parent = nearest(path[:-1], resolved) if path else None
+    module = modules[path]
+    resolved[path] = policies.resolve(type(module), parent, explicit_dtype(module))
+  return resolved
+
+
+def policy_view(
+  model: M,
+  policy: Policy | str,
+  *,
+  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
+  use_default_overrides: bool = True,
+  fp32_accumulation: bool = True,
+  fp32_softmax: bool = True,
+  grad_reduction_dtype: dtypes.DTypeLike | None = None,
+  explicit_dtypes: str = "warn",
+) -> M:
+  """Returns a view of ``model`` that runs under ``policy`` (``model`` is untouched).
+
+  Calling the view (``policy_view(model, policy)(x)``) casts ``x`` to the
+  compute dtype and returns outputs in the policy's output dtype. Parameters
+  are read in the compute dtype of the module owning them (fp32 for the
+  :data:`~jmp_lite.flax.DEFAULT_OVERRIDES`: normalization and embeddings);
+  non-parameter state is shared with ``model``. Build it inside the function
+  you differentiate, so that gradients flow to ``model``'s parameters.
+
+  Works under ``nnx.jit``/``jax.jit``, ``nnx.grad``/``jax.grad``, ``vmap`` and
+  ``scan``, and with lifted transforms (``nnx.scan``, ``nnx.remat``,
+  ``nnx.vmap``) inside the model. Forward-mode differentiation needs
+  ``fp32_accumulation=False, fp32_softmax=False`` (the fp32 softmax and the
+  fp32 output layer have reverse-mode rules only).
+
+  On its first call the view traces the model once more, abstractly, to find
+  the layers that compute its output (as :func:`~jmp_lite.flax.policy_apply`
+  does): they return the policy's output dtype straight from their matmuls.
+
+  Args:
+    model: an NNX module written with default dtypes (a module built with
+      another ``dtype=`` than the policy gives it keeps that dtype and is
+      named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning` when the view
+      is built; see ``explicit_dtypes``).
+    policy: a :class:`~jmp_lite.Policy` or policy string.
+    overrides: see :class:`~jmp_lite.flax.ModulePolicies`, as for
+      ``use_default_overrides``, ``fp32_accumulation``, ``fp32_softmax``,
+      ``grad_reduction_dtype`` and ``explicit_dtypes``.
+
+  Returns:
+    A :class:`PolicyModule` wrapping the low-precision copy of ``model``;
+    typed as ``model``'s type since calls and attribute reads behave alike.
+
+  Raises:
+    TypeError: if ``model`` is not an NNX module (or a linen one: use
+      :func:`~jmp_lite.flax.policy_apply`).
+
+  >>> from flax import nnx
+  >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  >>> view = jl.flax.policy_view(model, "p=f32,c=bf16,o=f32")
+  >>> view.kernel.dtype.name, model.kernel.dtype.name
+  ('bfloat16', 'float32')
+  >>> view(jnp.ones((4, 3))).dtype.name
+  'float32'
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+      f"policy_view expects a flax.nnx Module, got {model!r} of type {type(model).__name__}"
+      " (for linen models use jmp_lite.flax.policy_apply)."
+    )
+  policies = ModulePolicies(
+    policy,
+    overrides,
+    use_default_overrides=use_default_overrides,
+    fp32_accumulation=fp32_accumulation,
+    fp32_softmax=fp32_softmax,
+    grad_reduction_dtype=grad_reduction_dtype,
+    explicit_dtypes=explicit_dtypes,
+  )
+  view, found = _view(model, policies)
+  if policies.explicit_dtypes == "warn":
+    # Once per view, i.e. once per trace of the step that builds it.
+    warn_explicit_dtypes(found, "policy_view", stacklevel=2)
+  return view
+
+
+def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
+  """The view, and the modules whose own dtype differs from the policy's, by path."""
+  resolved = _resolve_modules(model, policies)
+  found = {
+    "/".join(map(str, path)): (type(module).__name__, r.explicit_dtype, r.policy_dtype)
+    for path, module in nnx.iter_modules(model)
+    if (r := resolved.get(tuple(path))) is not None and r.explicit_dtype is not None
+  }
+
+  def cast_param(path: tuple, param: Any) -> Any:
+    value = param.get_value()
+    if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
+      return param
+    owner = nearest(tuple(path[:-1]), resolved)
+    dtype = owner.compute_dtype if owner is not None else policies.policy.compute_dtype
+    # A new Variable: the model's Param keeps its value and dtype.
+    return param if value.dtype == dtype else param.replace(cast_floating(value, dtype))
+
+  # split hands out the model's own Variable objects and merge(copy=False)
+  # reuses them: the view gets new Params but shares all other state.
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+  view = nnx.merge(graphdef, nnx.map_state(cast_param, params), rest, copy=False)
+
+  wrappers: dict[tuple, PolicyModule] = {}
+
+  def wrap(path: tuple, node: Any) -> Any:
+    if tuple(path) in resolved and not isinstance(node, PolicyModule):
+      r = resolved[tuple(path)]
+      for name, value in policies.attribute_updates(node, r).items():
+        setattr(node, name, value)  # node belongs to the view, not to the model
+      output = r.root_output_dtype if not path else r.output_dtype
+      wrappers[tuple(path)] = PolicyModule(node, r.compute_dtype, output, r.recompute, path)
+      return wrappers[tuple(path)]
+    return node
+
+  try:
+    root = nnx.recursive_map(wrap, view, graph=True)
+    if isinstance(root, PolicyModule) and np.dtype(policies.policy.output_dtype) == _F32:
+      _UNDISCOVERED[root] = (policies, resolved, wrappers)
+    return root, found
+  except ValueError as e:
+    if "does not support mutation" not in str(e):
+      raise
+    raise TypeError(
+      "policy_view needs to wrap submodules inside their containers, but one is held in an "
+      f"immutable container ({e}). Keep submodules in nnx.List / nnx.Dict or as attributes."
+    ) from e

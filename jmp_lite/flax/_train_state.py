@@ -1,0 +1,172 @@
+"""Flax's ``TrainState`` with a precision policy and loss scaling built in.
+
+The usual linen training step keeps its shape; only ``create`` and the
+gradient call change::
+
+  state = jl.flax.TrainState.create(
+      apply_fn=model.apply,                 # wrapped with the policy
+      params=params,                        # fp32 master weights
+      tx=optax.adamw(1e-3),                 # wrapped with jl.loss_scaling
+      policy="params=float32,compute=float16,output=float32",
+      loss_scale=jl.DynamicLossScale(2.0 ** 15),
+  )
+
+  @jax.jit
+  def train_step(state, x, y):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, x)  # fp16 inside, fp32 logits
+      return cross_entropy(logits, y)
+    loss, grads = state.value_and_grad(loss_fn)(state.params)  # grads of the scaled loss
+    return state.apply_gradients(grads=grads), loss  # unscale, skip on overflow, adjust
+
+``apply_gradients`` is Flax's: it calls ``tx.update``, which is
+:func:`jmp_lite.loss_scaling`'s, so a step with non-finite gradients leaves the
+parameters and the inner optimizer state unchanged and lowers the scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from flax.training import train_state
+
+from jmp_lite import _dtypes as dtypes
+from jmp_lite._loss_scale import LossScale, NoOpLossScale
+from jmp_lite._policy import Policy, get_policy
+from jmp_lite._transform import (
+  LossScalingState,
+  get_loss_scale,
+  get_loss_scaling_state,
+  loss_scaling,
+  scaled_value_and_grad,
+)
+from jmp_lite.flax._linen import policy_apply
+from jmp_lite.flax._module_policy import ModulePolicy
+from jmp_lite.flax._state import has_loss_scaling
+
+
+class TrainState(train_state.TrainState):
+  """:class:`flax.training.train_state.TrainState` plus a policy and loss scaling.
+
+  Subclass it as you would Flax's (e.g. add ``batch_stats: Any``).
+
+  Attributes:
+    policy: the precision policy ``apply_fn`` runs under (``None`` if
+      ``apply_fn`` was passed already wrapped, or no policy is used).
+  """
+
+  # Keyword-only, so a subclass may add fields without defaults (``batch_stats: Any``).
+  policy: Policy | None = struct.field(pytree_node=False, default=None, kw_only=True)
+
+  @classmethod
+  def create(
+    cls,
+    *,
+    apply_fn: Callable[..., Any],
+    params: Any,
+    tx: optax.GradientTransformation,
+    policy: Policy | str | None = None,
+    loss_scale: LossScale | None = None,
+    overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
+    **kwargs: Any,
+  ) -> TrainState:
+    """Creates the state: ``step=0`` and the optimizer state for ``params``.
+
+    Args:
+      apply_fn: ``model.apply`` of a linen model. With ``policy``, it is
+        replaced by :func:`~jmp_lite.flax.policy_apply` of that model.
+      params: the parameters, stored in the policy's param dtype (cast if
+        needed, so the optimizer state matches).
+      tx: the optimizer. With ``loss_scale``, it is wrapped in
+        :func:`jmp_lite.loss_scaling` (pass it unwrapped).
+      policy: the precision policy (a :class:`~jmp_lite.Policy` or string).
+      loss_scale: the initial loss scale, e.g. ``jl.DynamicLossScale(2.0 ** 15)``
+        for fp16; ``None`` for no loss scaling (bf16 needs none).
+      overrides: per-module-class overrides for the policy, see
+        :class:`~jmp_lite.flax.ModulePolicies`.
+      **kwargs: further fields of a subclass (e.g. ``batch_stats``).
+
+    Raises:
+      TypeError: if ``policy`` is given but ``apply_fn`` is not ``model.apply``
+        of a linen module; if ``overrides`` is given without ``policy``.
+    """
+    if policy is not None:
+      policy = get_policy(policy)
+      module = getattr(apply_fn, "__self__", None)
+      if not (
+        isinstance(module, nn.Module) and getattr(apply_fn, "__func__", None) is nn.Module.apply
+      ):
+        raise TypeError(
+          "With policy=..., pass apply_fn=model.apply of a flax.linen module (got "
+          f"{apply_fn!r}); or wrap it yourself with jmp_lite.flax.policy_apply and omit policy."
+        )
+      apply_fn = policy_apply(module, policy, overrides=overrides)
+      params = policy.cast_to_param(params)
+    elif overrides is not None:
+      raise TypeError("overrides only apply together with policy=...; got policy=None.")
+    if loss_scale is not None:
+      tx = loss_scaling(tx, loss_scale)
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, policy=policy, **kwargs)
+    # Flax starts from the Python int 0; the first jitted step would return an
+    # int32 array and the second call would compile the step again.
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+  @property
+  def loss_scaling_state(self) -> LossScalingState:
+    """The :class:`~jmp_lite.transform.LossScalingState` in ``opt_state``.
+
+    Its ``skipped_steps``, ``consecutive_skips`` and ``last_finite`` are the
+    counters to log. Raises ``ValueError`` without loss scaling.
+    """
+    return get_loss_scaling_state(self.opt_state)
+
+  @property
+  def loss_scale(self) -> LossScale:
+    """The current loss scale (``NoOpLossScale()`` without loss scaling)."""
+    if not has_loss_scaling(self.opt_state):
+      return NoOpLossScale()
+    return get_loss_scale(self.opt_state)
+
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+    """Flax's ``apply_gradients``; a skipped step also keeps ``kwargs``' old values.
+
+    With loss scaling, a step whose gradients are not finite changes neither
+    ``params`` nor ``opt_state``'s inner state; the collections passed as
+    ``kwargs`` (``batch_stats=`` computed in that step's forward pass) are then
+    kept as they were too, so no NaN reaches the running statistics.
+    """
+    new = super().apply_gradients(grads=grads, **kwargs)
+    if not kwargs or not has_loss_scaling(self.opt_state):
+      return new
+    finite = get_loss_scaling_state(new.opt_state).last_finite
+    kept = {
+      name: jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o) if isinstance(n, jax.Array | np.ndarray) else n,
+        getattr(new, name),
+        getattr(self, name),
+      )
+      for name in kwargs
+    }
+    return new.replace(**kept)
+
+  def value_and_grad(
+    self,
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: int | tuple[int, ...] = 0,
+  ) -> Callable[..., tuple[Any, Any]]:
+    """:func:`jax.value_and_grad` of ``fun`` times the current loss scale.
+
+    Returns a function with ``fun``'s signature giving ``(value, grads)``:
+    ``value`` is ``fun``'s own (unscaled) value, ``grads`` are the gradients of
+    the *scaled* loss, which :meth:`apply_gradients` expects.
+    """
+    return scaled_value_and_grad(fun, self.loss_scale, has_aux=has_aux, argnums=argnums)
