@@ -14,41 +14,28 @@ ratio is the median over rounds of (variant time / plain time) of the same round
 reported: the time ``jl.audit`` takes on a traced train step (host-side, once per run).
 
 Run: python -m benchmarks.diagnostics [--rounds 7] [--steps 20] [--width 512]
+(the defaults give the table of docs/benchmarks.md, "Gradient statistics").
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jmp_lite import audit
-from jmp_lite import diagnostics as diag
-from jmp_lite._loss_scale import DynamicLossScale
-from jmp_lite._transform import loss_scaling, scaled_value_and_grad
+import jmp_lite as jl
+from benchmarks._common import init_mlp, median_ratio, time_interleaved
 
-
-def init_mlp(key, widths):
-  params = {}
-  for i, (n_in, n_out) in enumerate(itertools.pairwise(widths)):
-    key, sub = jax.random.split(key)
-    params[f"layer_{i}"] = {
-      "w": jax.random.normal(sub, (n_in, n_out)) / np.sqrt(n_in),
-      "b": jnp.zeros((n_out,)),
-    }
-  return params
+diag = jl.diagnostics
+VARIANTS = ("plain", "health", "stats_every_step", "stats_no_histogram", "stats_every_100")
 
 
 def mlp(params, x):
-  for i in range(len(params)):
-    layer = params[f"layer_{i}"]
+  for i, layer in enumerate(params):
     x = x @ layer["w"] + layer["b"]
     if i < len(params) - 1:
       x = jax.nn.relu(x)
@@ -60,7 +47,7 @@ def make_step(tx, variant):
     return jnp.mean((mlp(params, x) - y) ** 2)
 
   def step(params, opt_state, monitor, x, y, i):
-    loss, grads = scaled_value_and_grad(loss_fn, opt_state)(params, x, y)
+    loss, grads = jl.scaled_value_and_grad(loss_fn, opt_state)(params, x, y)
     extra = ()
     if variant == "stats_every_step":
       extra = diag.gradient_statistics(grads)
@@ -77,9 +64,6 @@ def make_step(tx, variant):
   return jax.jit(step)
 
 
-VARIANTS = ("plain", "health", "stats_every_step", "stats_no_histogram", "stats_every_100")
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=7)
@@ -91,36 +75,30 @@ def main():
   widths = (args.width,) * 5 + (1,)
   x = jax.random.normal(jax.random.key(1), (args.batch, args.width))
   y = jnp.sum(x, axis=1, keepdims=True)
-  tx = loss_scaling(optax.adam(1e-3), DynamicLossScale(jnp.float32(2.0**15)))
+  tx = jl.loss_scaling(optax.adam(1e-3), jl.DynamicLossScale(jnp.float32(2.0**15)))
   n_params = sum(p.size for p in jax.tree.leaves(init_mlp(jax.random.key(0), widths)))
 
   steps = {v: make_step(tx, v) for v in VARIANTS}
-  states = {}
+  states = {}  # (params, opt_state, monitor, the step's diagnostics)
   for v in VARIANTS:  # compile and warm up
     params = init_mlp(jax.random.key(0), widths)
-    state = (params, tx.init(params), diag.LossScaleMonitor.create())
-    out = steps[v](*state, x, y, 0)
-    jax.block_until_ready(out)
-    states[v] = out[:3]
+    out = steps[v](params, tx.init(params), diag.LossScaleMonitor.create(), x, y, 0)
+    states[v] = jax.block_until_ready((*out[:3], out[4]))
 
-  ratios = {v: [] for v in VARIANTS}
-  for r in range(args.rounds):
-    times = {}
-    for v in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
-      params, opt_state, monitor = states[v]
-      start = time.perf_counter()
-      for i in range(args.steps):
-        params, opt_state, monitor, _, extra = steps[v](params, opt_state, monitor, x, y, i + 1)
-      jax.block_until_ready((params, extra))
-      times[v] = (time.perf_counter() - start) / args.steps
-      states[v] = (params, opt_state, monitor)
-    for v in VARIANTS:
-      ratios[v].append(times[v] / times["plain"])
-    plain_ms = times["plain"] * 1e3
+  def advance(step):
+    def run(state, i):  # the step index counts from 1 in every round
+      params, opt_state, monitor, _, extra = step(*state[:3], x, y, i + 1)
+      return params, opt_state, monitor, extra
+
+    return run
+
+  times, _ = time_interleaved(
+    {v: advance(steps[v]) for v in VARIANTS}, states, args.rounds, args.steps
+  )
 
   params = init_mlp(jax.random.key(0), widths)
   start = time.perf_counter()
-  report = audit(
+  report = jl.audit(
     make_step(tx, "plain"), params, tx.init(params), diag.LossScaleMonitor.create(), x, y, 0
   )
   audit_s = time.perf_counter() - start
@@ -129,8 +107,10 @@ def main():
     "backend": jax.default_backend(),
     "devices": str(jax.devices()[0]),
     "params": int(n_params),
-    "plain_step_ms_last_round": round(plain_ms, 3),
-    "median_ratio_to_plain": {v: round(statistics.median(ratios[v]), 3) for v in VARIANTS},
+    "plain_step_ms_last_round": round(times["plain"][-1] * 1e3, 3),
+    "median_ratio_to_plain": {
+      v: round(median_ratio(times[v], times["plain"]), 3) for v in VARIANTS
+    },
     "audit_seconds": round(audit_s, 3),
     "audit_operations": report.num_operations,
   }

@@ -38,8 +38,9 @@ result scaled and cast, fp32 accumulation), ``fp8_fast`` (the same with
 ``fast_accumulation="all"``), ``fp8_legacy`` (the code that produced the anomaly: the same form
 with ``DEFAULT`` precision, i.e. XLA:GPU's fast fp8 accumulator in all three GEMMs, and the
 kernel gradient transposed after its matmul; traced by substituting a copy of that code for
-jmp_lite's private ``fp8._fp8_dot`` while the recipe is traced, this script's only reach into
-the library's internals). All fp8 recipes start from the same calibrated fp8 state.
+jmp_lite's matmul while the recipe is traced, through the package-internal
+``jmp_lite.fp8._matmul.DOT_KERNEL`` scope: this script's only reach into the library's
+internals). All fp8 recipes start from the same calibrated fp8 state.
 
 How to read it, per candidate cause (most likely first):
 
@@ -100,6 +101,7 @@ import jmp_lite.flax as jlf
 from benchmarks.memory import TransformerLM
 from jmp_lite import fp8
 from jmp_lite.flax import fp8 as flax_fp8
+from jmp_lite.fp8._matmul import DOT_KERNEL
 
 RECIPES = ("fp32", "bf16", "fp8", "fp8_legacy", "fp8_fast")
 CPU_CHECKED = ("bf16", "fp8", "fp8_legacy")  # recipes whose forward is also run on the CPU
@@ -182,13 +184,9 @@ _legacy_fp8_dot.defvjp(_legacy_fwd, _legacy_bwd)
 
 @contextlib.contextmanager
 def legacy_fp8_dots() -> Iterator[None]:
-  """fp8 matmuls traced inside use the legacy formulation (not thread-safe; tracing only)."""
-  saved = fp8._fp8_dot
-  fp8._fp8_dot = _legacy_fp8_dot
-  try:
+  """fp8 matmuls traced inside use the legacy formulation (read while tracing)."""
+  with DOT_KERNEL.scope(_legacy_fp8_dot):
     yield
-  finally:
-    fp8._fp8_dot = saved
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Train-step time of layer-wise loss scaling relative to dynamic loss scaling.
+r"""Train-step time of layer-wise loss scaling relative to dynamic loss scaling.
 
 Variants, all Adam on the same model, the same batch, through ``jl.loss_scaling``:
 
@@ -38,20 +38,21 @@ larger of that and the measured median.
 
 Run: python -m benchmarks.layerwise_overhead [--rounds 60] [--steps 10] [--json out.json]
      python -m benchmarks.layerwise_overhead --quick   (tiny, for tests)
+
+The figures of docs/benchmarks-layerwise.md:
+
+  python -m benchmarks.layerwise_overhead --rounds 150 --json docs/figures/layerwise_overhead.json
+  python -m benchmarks.layerwise_overhead --batch 1024 --rounds 40 --steps 5 \
+    --json docs/figures/layerwise_overhead_batch1024.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import itertools
-import json
 import os
-import re
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +62,15 @@ import numpy as np
 import optax
 
 import jmp_lite as jl
+from benchmarks._common import (
+  core_version,
+  finish,
+  hlo_summary,
+  init_mlp,
+  median_ratio,
+  time_interleaved,
+  versions,
+)
 
 INITIAL_SCALE = 2.0**15
 # LayerwiseLossScale's optional log2 histograms (predicted underflow per stage), when the
@@ -75,18 +85,6 @@ VARIANTS = (
 )
 NEVER = 2**30  # an update period never reached: statistics on the first step only
 TARGETS = {"layerwise_p1": 1.03, "layerwise_p100": 1.005}
-
-
-def init_mlp(seed: int, widths: Sequence[int]) -> list[dict[str, jax.Array]]:
-  """One dict per layer; ``widths`` = input, hidden..., output."""
-  rng = np.random.default_rng(seed)
-  return [
-    {
-      "w": jnp.asarray(rng.standard_normal((n_in, n_out), np.float32) / np.sqrt(n_in)),
-      "b": jnp.zeros((n_out,), jnp.float32),
-    }
-    for n_in, n_out in itertools.pairwise(widths)
-  ]
 
 
 def make_loss(dtype: Any) -> Callable:
@@ -115,30 +113,6 @@ def make_scale(variant: str, num_layers: int) -> Any:
   )
 
 
-def core_version() -> str:
-  """sha256 (12 hex digits) of jmp_lite/layerwise.py: which implementation was timed."""
-  with open(jl.layerwise.__file__, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()[:12]
-
-
-def hlo_summary(compiled: Any) -> dict[str, Any] | None:
-  """Fusions and conditionals in the compiled step's entry computation, and XLA's
-  cost model of the whole step (flops, bytes accessed; conditionals count both branches)."""
-  try:
-    text = compiled.as_text()
-    entry = text[text.index("ENTRY") :]
-  except (AttributeError, ValueError):
-    return None
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, list) else cost) or {}
-  return {
-    "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
-    "conditionals": len(re.findall(r" conditional\(", entry)),
-    "flops": cost.get("flops"),
-    "bytes_accessed": cost.get("bytes accessed"),
-  }
-
-
 def bootstrap_median_ci(ratios: np.ndarray, samples: int = 2000) -> list[float]:
   """95% bootstrap interval of the median of the per-round ratios."""
   rng = np.random.default_rng(0)
@@ -150,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   """Builds, warms up and times every variant in interleaved rounds."""
   dtype = jnp.dtype(args.dtype)
   widths = [args.width] * (args.depth + 1) + [10]
-  params = init_mlp(0, widths)
+  params = init_mlp(jax.random.key(0), widths)
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((args.batch, args.width), np.float32))
   y = jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32)
@@ -175,20 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       state = compiled(*state, x, y)
     states[variant] = jax.block_until_ready(state)
 
-  times: dict[str, list[float]] = {v: [] for v in variants}
-  cpu_times: dict[str, list[float]] = {v: [] for v in variants}
-  for r in range(args.rounds):
-    order = variants[r % len(variants) :] + variants[: r % len(variants)]
-    for variant in order:
-      state, compiled = states[variant], steps[variant]
-      start, cpu_start = time.perf_counter(), time.process_time()
-      for _ in range(args.steps):
-        state = compiled(*state, x, y)
-      jax.block_until_ready(state)
-      times[variant].append((time.perf_counter() - start) / args.steps)
-      cpu_times[variant].append((time.process_time() - cpu_start) / args.steps)
-      states[variant] = state
-
+  advance = {v: lambda state, _, step=steps[v]: step(*state, x, y) for v in variants}
+  times, cpu_times = time_interleaved(advance, states, args.rounds, args.steps)
   ref = np.asarray(times["dynamic"])
   cpu_ref = np.asarray(cpu_times["dynamic"])
   result: dict[str, Any] = {
@@ -202,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       "stages": len(params),
       "backend": jax.default_backend(),
       "jax": jax.__version__,
-      "layerwise_py_sha256": core_version(),
+      "jmp_lite_sha256": core_version(),
       "cpu_count": os.cpu_count(),
       "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
       "command": "python -m benchmarks.layerwise_overhead " + " ".join(args.argv),
@@ -215,13 +177,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = t / ref
     entry = {
       "median_ms": 1e3 * float(np.median(t)),
-      "ratio_vs_dynamic": float(np.median(ratios)),
+      "ratio_vs_dynamic": median_ratio(times[variant], times["dynamic"]),
       "ratio_iqr": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
       "ratio_ci95": bootstrap_median_ci(ratios),
       "ratio_of_totals": float(t.sum() / ref.sum()),
       "round_ms": (1e3 * t).tolist(),
       # CPU time of this process (all threads): less sensitive to other jobs on the machine.
-      "cpu_ratio_vs_dynamic": float(np.median(np.asarray(cpu_times[variant]) / cpu_ref)),
+      "cpu_ratio_vs_dynamic": median_ratio(cpu_times[variant], cpu_times["dynamic"]),
       "cpu_ratio_iqr": [
         float(np.percentile(np.asarray(cpu_times[variant]) / cpu_ref, q)) for q in (25, 75)
       ],
@@ -269,22 +231,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """Runs the benchmark, prints a table, optionally writes JSON; returns the results."""
-  args = parse_args(argv)
-  print(f"backend={jax.default_backend()} jax={jax.__version__} optax={optax.__version__}")
-  res = run(args)
+def report(res: dict[str, Any]) -> str:
+  """The table of the figures, as text."""
   cfg = res["config"]
-  print(
-    f"\nMLP {cfg['widths'][0]}x{args.depth} (+ head), batch {cfg['batch']}, {cfg['dtype']}, "
+  depth = len(cfg["widths"]) - 2
+  lines = [
+    f"\nMLP {cfg['widths'][0]}x{depth} (+ head), batch {cfg['batch']}, {cfg['dtype']}, "
     f"{cfg['params']:,} params, {cfg['stages']} stages; dynamic step {res['dynamic_ms']:.2f} ms "
-    f"(median of {args.rounds} rounds x {args.steps} steps)"
-  )
-  print(
+    f"(median of {cfg['rounds']} rounds x {cfg['steps']} steps)",
     f"{'variant':26s} {'ms/step':>9s} {'ratio':>7s} {'95% CI':>15s} {'totals':>7s} {'amort.':>7s} "
     f"{'target':>7s} {'met':>5s} {'cpu':>6s} {'flops':>6s} {'bytes':>6s} "
-    f"{'fusions':>8s} {'conds':>6s}"
-  )
+    f"{'fusions':>8s} {'conds':>6s}",
+  ]
   for variant, v in res["variants"].items():
     lo, hi = v["ratio_ci95"]
     flops, nbytes = (
@@ -293,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     hlo = v["hlo"] or {}
     target = f"<={v['target']}" if "target" in v else ""
     amortized = f"{v['ratio_amortized']:.3f}" if "ratio_amortized" in v else ""
-    print(
+    lines.append(
       f"{variant:26s} {v['median_ms']:9.2f} {v['ratio_vs_dynamic']:7.3f} "
       f"{f'[{lo:.3f}, {hi:.3f}]':>15s} {v['ratio_of_totals']:7.3f} {amortized:>7s} "
       f"{target:>7s} {v.get('meets_target', '')!s:>5s} {v['cpu_ratio_vs_dynamic']:6.3f} "
@@ -302,12 +260,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
   if cfg["load_average_at_end"] is not None:
     load = ", ".join(f"{x:.1f}" for x in cfg["load_average_at_end"])
-    print(f"load average at the end: {load} on {cfg['cpu_count']} CPUs")
-  if args.json:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(res, f, indent=1)
-  return res
+    lines.append(f"load average at the end: {load} on {cfg['cpu_count']} CPUs")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark, prints a table, optionally writes JSON; returns the results."""
+  args = parse_args(argv)
+  print(versions())
+  res = run(args)
+  return finish(report(res), res, args.json)
 
 
 if __name__ == "__main__":

@@ -34,13 +34,12 @@ bytes of any 16-bit leaf in it (expected 0: no persistent 16-bit copy).
 
 Run: python -m benchmarks.memory [--batches 1 4 16 64] [--no-compile] [--json out.json]
      python -m benchmarks.memory --quick   (a tiny model, for tests)
+The tables of docs/benchmarks-memory.md: python -m benchmarks.memory --json memory.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +51,7 @@ import optax
 from jax.extend import core as jex_core
 
 import jmp_lite.flax as jlf
+from benchmarks._common import finish, nbytes
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 VARIANTS = ("fp32", "jmp_lite", "jmp_lite_stored", "flax_bf16")
@@ -90,6 +90,12 @@ class TransformerLM(nn.Module):
     return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 
+def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Next-token cross-entropy; the loss is an fp32 island in every variant."""
+  logits = logits.astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+
 def loss_fns(config: dict[str, int]) -> dict[str, Callable[[Any, jax.Array], jax.Array]]:
   """The loss of each variant as a function of (params, tokens)."""
   fp32_model = TransformerLM(**config)
@@ -98,10 +104,6 @@ def loss_fns(config: dict[str, int]) -> dict[str, Callable[[Any, jax.Array], jax
   stored_fn = jlf.policy_apply(fp32_model, POLICY, overrides={nn.LayerNorm: jlf.FP32})
   f32_reduction_fn = jlf.policy_apply(fp32_model, POLICY, grad_reduction_dtype=jnp.float32)
 
-  def lm_loss(logits, tokens):
-    logits = logits.astype(jnp.float32)  # the loss is an fp32 island in every variant
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
-
   return {
     "fp32": lambda p, t: lm_loss(fp32_model.apply({"params": p}, t), t),
     "jmp_lite": lambda p, t: lm_loss(policy_fn({"params": p}, t), t),
@@ -109,10 +111,6 @@ def loss_fns(config: dict[str, int]) -> dict[str, Callable[[Any, jax.Array], jax
     "jmp_lite_f32_reduction": lambda p, t: lm_loss(f32_reduction_fn({"params": p}, t), t),
     "flax_bf16": lambda p, t: lm_loss(flax_bf16_model.apply({"params": p}, t), t),
   }
-
-
-def _nbytes(aval: Any) -> int:
-  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
 def residuals(loss: Callable, params: Any, tokens: jax.Array) -> dict[str, Any]:
@@ -128,7 +126,7 @@ def residuals(loss: Callable, params: Any, tokens: jax.Array) -> dict[str, Any]:
     if isinstance(var, jex_core.Literal) or var in seen:
       continue
     seen.add(var)
-    size = _nbytes(var.aval)
+    size = nbytes(var.aval)
     total += size
     if var in inputs:
       from_inputs += size
@@ -269,11 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   config = QUICK if args.quick else FULL
   batches = args.batches or ([1, 4] if args.quick else [1, 4, 16, 64])
   result = run(config, batches, compile_step=not args.no_compile)
-  print(report(result))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-  return result
+  return finish(report(result), result, args.json, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Train-step overhead of loss scaling, side by side in one process.
+r"""Train-step overhead of loss scaling, side by side in one process.
 
 Variants, all Adam on the same MLP, same data, same fp32 compute (the cost of the
 scaling machinery, not of 16-bit arithmetic, which CPUs do not speed up):
@@ -22,18 +22,22 @@ conditionals and loops, and the passes over the hidden-layer weight-sized arrays
 (``W reads``/``W writes``: weights, their gradients, Adam's moments).
 
 Run: python -m benchmarks.overhead [--rounds 15] [--steps 20] [--config compute|optimizer]
-[--variants jmp_recipe,flax_dynamic_scale]
+[--variants jmp_recipe,flax_dynamic_scale] [--json out.json]
+
+The figures of docs/benchmarks.md ("Loss scaling overhead"; the head-to-head runs are quoted
+there too):
+
+  python -m benchmarks.overhead --rounds 25 --steps 10 \
+    --json docs/figures/loss_scaling_overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import itertools
-import json
 import re
 import statistics
-import time
+from typing import Any
 
 import flax.training.dynamic_scale
 import jax
@@ -42,6 +46,15 @@ import numpy as np
 import optax
 
 import jmp_lite as jl
+from benchmarks._common import (
+  entry_computation,
+  hlo_summary,
+  init_mlp,
+  median_ratio,
+  time_interleaved,
+  versions,
+  write_json,
+)
 
 try:
   import jmp as jmp_recipe_lib
@@ -52,19 +65,6 @@ except ImportError:  # the recipe's operations are the same in jmp_lite
   JMP_SOURCE = "jmp_lite's jmp-compatible API (jmp not installed)"
 
 INITIAL_SCALE = 2.0**15
-
-
-def init_mlp(key, widths):
-  params = []
-  for n_in, n_out in itertools.pairwise(widths):
-    key, sub = jax.random.split(key)
-    params.append(
-      {
-        "w": jax.random.normal(sub, (n_in, n_out), jnp.float32) / np.sqrt(n_in),
-        "b": jnp.zeros((n_out,), jnp.float32),
-      }
-    )
-  return params
 
 
 def loss_fn(params, x, y):
@@ -149,10 +149,6 @@ def make_variants(adam):
   }
 
 
-def _entry(text: str) -> str:
-  return text[text.index("ENTRY") :]
-
-
 def weight_passes(text: str, shape: str) -> dict[str, int]:
   """Reads and writes of arrays of type ``shape`` (e.g. ``"f32[1024,1024]"``) by the entry
   computation's instructions: how often a step passes over its largest gradients, weights and
@@ -160,7 +156,7 @@ def weight_passes(text: str, shape: str) -> dict[str, int]:
   twice counts once per operand), a write an instruction with such a result; parameters,
   tuples, bitcasts and the conditional that only forwards its operands are not passes."""
   shapes, reads, writes = {}, 0, 0
-  for line in _entry(text).split("\n")[1:]:
+  for line in entry_computation(text).split("\n")[1:]:
     match = re.match(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*?)\)", line)
     if not match:
       continue
@@ -173,29 +169,11 @@ def weight_passes(text: str, shape: str) -> dict[str, int]:
   return {"reads": reads, "writes": writes}
 
 
-def control_flow(text: str) -> dict[str, int]:
-  """Conditionals and while loops anywhere in a compiled module's text.
-
-  For benchmarks/gpu.py: a ``jl.loss_scaling`` step compiled for a GPU or TPU must have no more
-  than the same step without scaling. There ``jl.all_finite`` is one fused ``all(isfinite)``
-  reduction (jmp_lite/_finite.py); a conditional would make XLA:GPU copy its predicate to the
-  host and wait for it on every step. On XLA:CPU one conditional is expected: the exact
-  fallback behind the cheap sum.
-  """
+def step_summary(compiled, weight_shape: str) -> dict[str, Any]:
+  """:func:`~benchmarks._common.hlo_summary` and the passes over the weight-sized arrays."""
+  passes = weight_passes(compiled.as_text(), weight_shape)
   return {
-    "conditionals": len(re.findall(r"= \S+ conditional\(", text)),
-    "while_loops": len(re.findall(r"= \S+ while\(", text)),
-  }
-
-
-def hlo_summary(compiled, weight_shape: str) -> dict[str, int]:
-  text = compiled.as_text()
-  entry = _entry(text)
-  passes = weight_passes(text, weight_shape)
-  return {
-    "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
-    "entry_ops": entry.count("\n"),
-    "while_or_conditional": sum(control_flow(entry).values()),
+    **hlo_summary(compiled),
     "weight_reads": passes["reads"],
     "weight_writes": passes["writes"],
   }
@@ -223,7 +201,7 @@ def run_config(name, widths, batch, rounds, steps, only=None):
     # placeholder leaves jax unflattens).
     jitted[vname] = jax.jit(step)
     try:
-      hlo[vname] = hlo_summary(
+      hlo[vname] = step_summary(
         jitted[vname].lower(params, state, x, y).compile(), f"f32[{widths[1]},{widths[2]}]"
       )
     except TypeError:
@@ -234,18 +212,8 @@ def run_config(name, widths, batch, rounds, steps, only=None):
     jax.block_until_ready(states[vname])
 
   names = list(variants)
-  times = {v: [] for v in names}
-  for r in range(rounds):
-    order = names[r % len(names) :] + names[: r % len(names)]
-    for vname in order:
-      state = states[vname]
-      start = time.perf_counter()
-      for _ in range(steps):
-        state = jitted[vname](*state, x, y)
-      jax.block_until_ready(state)
-      times[vname].append((time.perf_counter() - start) / steps)
-      states[vname] = state
-
+  advance = {v: lambda state, _, step=jitted[v]: step(*state, x, y) for v in names}
+  times, _ = time_interleaved(advance, states, rounds, steps)
   plain = np.asarray(times["plain"])
   result = {
     "config": name,
@@ -256,9 +224,8 @@ def run_config(name, widths, batch, rounds, steps, only=None):
     "variants": {},
   }
   # The target: jmp_lite no slower than jmp's recipe or Flax's DynamicScale, paired per round.
-  mine = np.asarray(times["jmp_lite"])
   result["jmp_lite_over"] = {
-    vname: float(np.median(mine / np.asarray(times[vname])))
+    vname: median_ratio(times["jmp_lite"], times[vname])
     for vname in ("jmp_recipe", "flax_dynamic_scale", "check_keep_state")
     if vname in times
   }
@@ -266,7 +233,7 @@ def run_config(name, widths, batch, rounds, steps, only=None):
     ratios = np.asarray(times[vname]) / plain
     result["variants"][vname] = {
       "median_ms": 1e3 * statistics.median(times[vname]),
-      "ratio_vs_plain": float(np.median(ratios)),
+      "ratio_vs_plain": median_ratio(times[vname], times["plain"]),
       "ratio_iqr": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
       "hlo": hlo[vname],
     }
@@ -296,10 +263,7 @@ def main():
   if args.config and not args.quick:
     configs = [c for c in configs if c[0].startswith(f"{args.config}-bound")]
   only = args.variants.split(",") if args.variants else None
-  print(
-    f"backend={jax.default_backend()} jax={jax.__version__} optax={optax.__version__} "
-    f"jmp recipe via {JMP_SOURCE}"
-  )
+  print(f"{versions()} jmp recipe via {JMP_SOURCE}")
   results = []
   for name, widths, batch in configs:
     res = run_config(name, widths, batch, args.rounds, args.steps, only)
@@ -315,17 +279,17 @@ def main():
     for vname, v in res["variants"].items():
       lo, hi = v["ratio_iqr"]
       hlo = v["hlo"] or {}
+      branching = hlo["conditionals"] + hlo["while_loops"] if hlo else "n/a"
       print(
         f"{vname:24s} {v['median_ms']:9.2f} {v['ratio_vs_plain']:7.3f} "
         f"{f'[{lo:.3f}, {hi:.3f}]':>15s} {hlo.get('fusions', 'n/a'):>8} "
-        f"{hlo.get('while_or_conditional', 'n/a'):>10} {hlo.get('weight_reads', 'n/a'):>8} "
+        f"{branching:>10} {hlo.get('weight_reads', 'n/a'):>8} "
         f"{hlo.get('weight_writes', 'n/a'):>8}"
       )
     over = ", ".join(f"{k} {v:.3f}" for k, v in res["jmp_lite_over"].items())
     print(f"jmp_lite / alternative, median of per-round ratios: {over}")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

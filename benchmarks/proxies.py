@@ -36,9 +36,9 @@ Proxies, each for the step ``jax.value_and_grad(loss)(params, tokens)``:
 (1) and (2) walk nested jaxprs (``jit``, ``custom_vjp_call``,
 ``custom_jvp_call``, ``checkpoint``, ``closed_call``, ``scan``, ``cond``,
 ``while``) and count each equation once per execution: a ``scan`` body times
-its length, the largest branch of a ``cond``, a ``while`` body once. An
-equation that calls a nested jaxpr is counted through that jaxpr's equations,
-not by its own outputs. (4) counts each collective of the HLO text once.
+its length, the largest branch of a ``cond`` (of a ``lax.platform_dependent``,
+the branch a GPU runs), a ``while`` body once. An equation that calls a nested
+jaxpr is counted through that jaxpr's equations, not by its own outputs. (4) counts each collective of the HLO text once.
 
 Ratios are to ``flax_bf16``. Targets for ``jmp_lite`` (issue 14): matmul
 outputs, residuals and collectives at most 1.0x, all intermediates at most
@@ -48,6 +48,8 @@ head; the fp32 embedding table and LayerNorm parameters under FSDP).
 
 Run: python -m benchmarks.proxies [--batch 8] [--json out.json]
      python -m benchmarks.proxies --quick   (a tiny model, for tests)
+The table of docs/benchmarks.md ("CPU proxies of GPU cost"):
+python -m benchmarks.proxies --json proxies.json
 """
 
 from __future__ import annotations
@@ -66,13 +68,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import memory
+from benchmarks._common import finish, nbytes
 
 VARIANTS = ("fp32", "jmp_lite", "jmp_lite_f32_reduction", "flax_bf16")
 BASELINE = "flax_bf16"
@@ -85,10 +87,6 @@ AXIS = "fsdp"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _nbytes(aval: Any) -> int:
-  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-
-
 def _subjaxprs(eqn: Any) -> list[tuple[int, list[jex_core.Jaxpr]]]:
   """The jaxprs ``eqn`` runs, as (times run, alternatives of which one runs)."""
   found = []
@@ -99,6 +97,9 @@ def _subjaxprs(eqn: Any) -> list[tuple[int, list[jex_core.Jaxpr]]]:
     if not jaxprs:
       continue
     if key == "branches":  # cond: one branch runs
+      platforms = eqn.params.get("branches_platforms")
+      if platforms:  # lax.platform_dependent: the proxies stand for the GPU, not XLA:CPU
+        jaxprs = [j for j, p in zip(jaxprs, platforms, strict=True) if p is None or "cuda" in p]
       found.append((1, jaxprs))
     else:
       times = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
@@ -128,7 +129,7 @@ def jaxpr_bytes(jaxpr: jex_core.Jaxpr | jex_core.ClosedJaxpr) -> dict[str, int]:
         for key in totals:
           totals[key] += times * max(c[key] for c in counts)
       continue
-    size = sum(_nbytes(v.aval) for v in eqn.outvars)
+    size = sum(nbytes(v.aval) for v in eqn.outvars)
     totals["intermediate"] += size
     if eqn.primitive.name in MATMULS:
       totals["matmul_output"] += size
@@ -430,11 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     _lower_fsdp_steps(spec["config"], spec["batch"], spec["variants"])
     return None
   result = run(QUICK if args.quick else FULL, args.batch, collectives=not args.no_collectives)
-  print(report(result))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-  return result
+  return finish(report(result), result, args.json, indent=2)
 
 
 if __name__ == "__main__":

@@ -461,9 +461,9 @@ def _memory(compiled: Any) -> dict[str, int]:
 
 
 def stats_to_python(
-  stats: dict[str, jl.GradientStats], *, histogram: bool = True
+  stats: dict[str, jl.diagnostics.GradientStats], *, histogram: bool = True
 ) -> dict[str, Any]:
-  """Fetched ``jl.GradientStats`` per layer as JSON-ready dicts (without the exponent
+  """Fetched ``jl.diagnostics.GradientStats`` per layer as JSON-ready dicts (without the exponent
   histogram if ``histogram=False``: it is most of the size)."""
   out = {}
   for layer, s in stats.items():
@@ -485,13 +485,13 @@ def stats_to_python(
   return out
 
 
-def stats_from_python(layers: dict[str, Any]) -> dict[str, jl.GradientStats]:
-  """Inverse of the JSON form: ``jl.GradientStats`` (numpy) for :mod:`jmp_lite.plotting`."""
+def stats_from_python(layers: dict[str, Any]) -> dict[str, jl.diagnostics.GradientStats]:
+  """Inverse of the JSON form: ``GradientStats`` (numpy) for :mod:`jmp_lite.plotting`."""
   return {
-    name: jl.GradientStats(
+    name: jl.diagnostics.GradientStats(
       **{
         f: np.asarray(d[f])
-        for f in jl.GradientStats._fields  # every field is stored
+        for f in jl.diagnostics.GradientStats._fields  # every field is stored
       }
     )
     for name, d in layers.items()
@@ -501,9 +501,9 @@ def stats_from_python(layers: dict[str, Any]) -> dict[str, jl.GradientStats]:
 # Called every stats_every steps on small trees: XLA's backend optimizations would cost more
 # compile time (seconds, per model) than they save.
 @functools.partial(jax.jit, compiler_options=_FAST_COMPILE)
-def _gradient_stats(grads: Any) -> dict[str, jl.GradientStats]:
+def _gradient_stats(grads: Any) -> dict[str, jl.diagnostics.GradientStats]:
   """Per-layer statistics of gradients that are already scaled, as fp16 would store them."""
-  return jl.gradient_statistics(grads, loss_scale=1.0, format="float16")
+  return jl.diagnostics.gradient_statistics(grads, loss_scale=1.0, format="float16")
 
 
 def train(
@@ -588,7 +588,7 @@ def train(
 
     # The parameter gradients as computed (scaled), for the statistics (outside the step:
     # one small compilation shared by all recipes instead of a bigger step per recipe).
-    param_grads = grads.grads if isinstance(grads, jl.LayerwiseGrads) else grads
+    param_grads = grads.grads if isinstance(grads, jl.layerwise.LayerwiseGrads) else grads
     scale_used, stage_scales = _scale_values(loss_scale)
     new_updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, new_updates)

@@ -468,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if act_grads is not None:
     dynamic = results.get("fp16-dynamic")
     scale = dynamic.loss_scale[-1] if dynamic else None
-    stats = jax.device_get(jl.gradient_statistics(act_grads, format="float16", group_by="leaf"))
+    stats = jax.device_get(
+      jl.diagnostics.gradient_statistics(act_grads, format="float16", group_by="leaf")
+    )
     activation = {
       "step": train_config.steps,
       "what": "gradient of the training loss w.r.t. each module's output, fp32 run, final params",
@@ -476,7 +478,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "dynamic_scale": scale,
       "stats_at_dynamic_scale": common.stats_to_python(
         jax.device_get(
-          jl.gradient_statistics(act_grads, loss_scale=scale, format="float16", group_by="leaf")
+          jl.diagnostics.gradient_statistics(
+            act_grads, loss_scale=scale, format="float16", group_by="leaf"
+          )
         )
       )
       if scale

@@ -3,12 +3,19 @@
 A drop-in replacement for DeepMind's jmp (``import jmp_lite as jmp``) with its
 bugs fixed, plus Optax loss-scaling transformations, layer-wise adaptive loss
 scaling and Flax integration.
+
+The top level holds what a training step uses: formats, precision policies,
+loss scales, the :func:`loss_scaling` transformation and the checks. The rest
+lives in namespaces: :mod:`jmp_lite.fp8`, :mod:`jmp_lite.layerwise`,
+:mod:`jmp_lite.diagnostics`, :mod:`jmp_lite.flax` (imported on first use, so
+``import jmp_lite`` does not import Flax) and :mod:`jmp_lite.plotting`.
 """
 
-# Submodules are attributes (jl.flax, jl.fp8) but stay out of __all__: `from jmp_lite import *`
-# must not rebind a user's `flax`.
-from jmp_lite import flax as flax
+from typing import TYPE_CHECKING, Any
+
+from jmp_lite import diagnostics as diagnostics
 from jmp_lite import fp8 as fp8
+from jmp_lite import layerwise as layerwise
 from jmp_lite._audit import (
   AUDIT_CHECKS,
   AuditConfig,
@@ -36,88 +43,102 @@ from jmp_lite._transform import (
   loss_scaling,
   scaled_value_and_grad,
 )
-from jmp_lite.diagnostics import (
-  Culprit,
-  GradientStats,
-  LossScaleHealth,
-  LossScaleMonitor,
-  every_n_steps,
-  gradient_statistics,
-  likely_culprits,
-  loss_scale_health,
-  parameter_order,
-  stats_to_metrics,
-)
-from jmp_lite.fp8 import (
-  Fp8Config,
-  Fp8DotAmax,
-  Fp8DotState,
-  Fp8Policy,
-  Fp8ScaleState,
-  get_fp8_policy,
-)
-from jmp_lite.layerwise import (
-  BoundaryStats,
-  LayerwiseGrads,
-  LayerwiseLossScale,
-  StackedStages,
-  check_stages,
-  stage_boundary,
-  stages_from_paths,
-)
+from jmp_lite.layerwise import LayerwiseLossScale, stage_boundary
+
+if TYPE_CHECKING:
+  from jmp_lite import flax as flax
+  from jmp_lite import plotting as plotting
 
 __version__ = "0.1.0"
 
+# Namespaces (jl.flax, jl.fp8, ...) are attributes but stay out of __all__: `from jmp_lite
+# import *` must not rebind a user's `flax`.
 __all__ = (
-  "AUDIT_CHECKS",
+  # Formats
   "FORMATS",
-  "AuditConfig",
-  "AuditReport",
-  "BoundaryStats",
-  "Culprit",
-  "DynamicLossScale",
-  "Finding",
   "FormatInfo",
-  "Fp8Config",
-  "Fp8DotAmax",
-  "Fp8DotState",
-  "Fp8Policy",
-  "Fp8ScaleState",
-  "GradientStats",
-  "LayerwiseGrads",
-  "LayerwiseLossScale",
-  "LossScale",
-  "LossScaleHealth",
-  "LossScaleMonitor",
-  "LossScalingState",
-  "NoOpLossScale",
+  "format_info",
+  "half_dtype",
+  "parse_dtype",
+  # Precision policies
   "Policy",
-  "SourceLocation",
-  "StackedStages",
-  "StaticLossScale",
-  "all_finite",
-  "audit",
-  "audit_jaxpr",
+  "get_policy",
   "cast_to_full",
   "cast_to_half",
-  "check_loss_scaling",
-  "check_stages",
-  "every_n_steps",
-  "format_info",
-  "get_fp8_policy",
+  # Loss scales
+  "LossScale",
+  "NoOpLossScale",
+  "StaticLossScale",
+  "DynamicLossScale",
+  "LayerwiseLossScale",
+  "stage_boundary",
+  "all_finite",
+  "select_tree",
+  # Loss scaling as an Optax transformation
+  "loss_scaling",
+  "LossScalingState",
   "get_loss_scale",
   "get_loss_scaling_state",
-  "get_policy",
-  "gradient_statistics",
-  "half_dtype",
-  "likely_culprits",
-  "loss_scale_health",
-  "loss_scaling",
-  "parameter_order",
-  "parse_dtype",
   "scaled_value_and_grad",
-  "select_tree",
-  "stage_boundary",
-  "stages_from_paths",
-  "stats_to_metrics",
+  # Checks
+  "audit",
+  "audit_jaxpr",
+  "AuditConfig",
+  "AuditReport",
+  "Finding",
+  "SourceLocation",
+  "AUDIT_CHECKS",
+  "check_loss_scaling",
 )
+
+_LAZY_NAMESPACES = ("flax", "plotting")
+# Modules that became private (jmp_lite/_policy.py...); `jl.policy.get_policy` keeps working.
+_OLD_MODULES = ("dtypes", "policy", "loss_scale", "transform")
+
+# Names that were top-level before they moved into a namespace; they keep working here.
+_MOVED = {
+  **dict.fromkeys(
+    (
+      "Fp8Config",
+      "Fp8DotAmax",
+      "Fp8DotState",
+      "Fp8Policy",
+      "Fp8ScaleState",
+      "get_fp8_policy",
+    ),
+    "fp8",
+  ),
+  **dict.fromkeys(
+    ("BoundaryStats", "LayerwiseGrads", "StackedStages", "check_stages", "stages_from_paths"),
+    "layerwise",
+  ),
+  **dict.fromkeys(
+    (
+      "Culprit",
+      "GradientStats",
+      "LossScaleHealth",
+      "LossScaleMonitor",
+      "every_n_steps",
+      "gradient_statistics",
+      "likely_culprits",
+      "loss_scale_health",
+      "parameter_order",
+      "stats_to_metrics",
+    ),
+    "diagnostics",
+  ),
+}
+
+
+def __getattr__(name: str) -> Any:
+  import importlib  # here, so that the module has no `importlib` attribute
+
+  if name in _LAZY_NAMESPACES or name in _OLD_MODULES:
+    return importlib.import_module(f"jmp_lite.{name}")
+  if name in _MOVED:
+    return getattr(importlib.import_module(f"jmp_lite.{_MOVED[name]}"), name)
+  raise AttributeError(f"module 'jmp_lite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY_NAMESPACES, *_MOVED})

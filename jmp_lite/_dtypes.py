@@ -24,6 +24,17 @@ ScalarType = Any  # a JAX scalar type such as jnp.bfloat16 (typed Any in jax.num
 class FormatInfo(NamedTuple):
   """Range and precision of one floating-point format.
 
+  Attributes:
+    name: the canonical dtype name, e.g. ``"float16"``.
+    dtype: the ``np.dtype``.
+    exponent_bits: the width of the exponent field.
+    mantissa_bits: the explicitly stored fraction bits.
+    max: the largest finite value.
+    min_normal: the smallest positive normal value.
+    min_subnormal: the smallest positive (subnormal) value.
+    epsilon: the gap between 1.0 and the next larger value.
+    bits: the total width, ``1 + exponent_bits + mantissa_bits``.
+
   >>> info = FORMATS["float16"]
   >>> info.max, info.min_subnormal == 2.0**-24, info.epsilon == 2.0**-10
   (65504.0, True, True)
@@ -32,11 +43,11 @@ class FormatInfo(NamedTuple):
   name: str
   dtype: np.dtype
   exponent_bits: int
-  mantissa_bits: int  # explicitly stored fraction bits
-  max: float  # largest finite value
+  mantissa_bits: int
+  max: float
   min_normal: float
   min_subnormal: float
-  epsilon: float  # gap between 1.0 and the next larger value
+  epsilon: float
   bits: int
 
 
@@ -87,7 +98,13 @@ ACCEPTED_NAMES: tuple[str, ...] = (*_BY_NAME, "half")
 
 
 def format_info(dtype: DTypeLike) -> FormatInfo:
-  """Returns the :class:`FormatInfo` of a floating dtype (name or dtype).
+  """Returns the range and precision of a floating dtype.
+
+  Args:
+    dtype: a name or dtype-like object, as :func:`parse_dtype` accepts.
+
+  Returns:
+    The :class:`FormatInfo` of the dtype, read from :func:`jax.numpy.finfo`.
 
   >>> format_info("f16").max
   65504.0
@@ -98,11 +115,15 @@ def format_info(dtype: DTypeLike) -> FormatInfo:
 def parse_dtype(value: DTypeLike) -> np.dtype:
   """Returns the floating ``np.dtype`` named by ``value``.
 
-  ``value`` is a name (``"bf16"``, ``"bfloat16"``, ``"f16"``, ``"float16"``,
-  ``"f32"``, ``"float32"``, ``"full"``, ``"f64"``, ``"float64"``, ``"half"``,
-  ``"float8_e4m3fn"``, ``"float8_e5m2"`` and the short forms in
-  :data:`ACCEPTED_NAMES`; case and surrounding whitespace are ignored) or any
-  dtype-like object (``np.dtype``, ``jnp.bfloat16``, ``np.float32``).
+  Args:
+    value: a name (``"bf16"``, ``"bfloat16"``, ``"f16"``, ``"float16"``,
+      ``"f32"``, ``"float32"``, ``"full"``, ``"f64"``, ``"float64"``,
+      ``"half"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` and the short forms
+      in ``ACCEPTED_NAMES``; case and surrounding whitespace are ignored) or
+      any dtype-like object (``np.dtype``, ``jnp.bfloat16``, ``np.float32``).
+
+  Returns:
+    The ``np.dtype``; ``"half"`` is :func:`half_dtype` of the default device.
 
   Raises:
     ValueError: for an unknown name.
@@ -145,25 +166,53 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
 
 
 def dtype_name(dtype: DTypeLike) -> str:
-  """Returns the canonical short name of a dtype, the inverse of parse_dtype."""
+  """Returns the canonical short name of a dtype, the inverse of :func:`parse_dtype`.
+
+  Args:
+    dtype: a name or dtype-like object, as :func:`parse_dtype` accepts.
+
+  Returns:
+    The name ``str(Policy)`` writes (``"bf16"``, ``"f16"``, ``"f32"``...), or
+    NumPy's name for a floating dtype without a short one.
+
+  >>> dtype_name("bfloat16"), dtype_name(np.float32)
+  ('bf16', 'f32')
+  """
   dtype = parse_dtype(dtype)
   names = _NAMES.get(dtype)
   return names[0] if names else dtype.name
 
 
 def is_float8(dtype: DTypeLike) -> bool:
-  """Whether ``dtype`` is one of the 8-bit floating formats."""
+  """Whether ``dtype`` is one of the 8-bit floating formats.
+
+  Args:
+    dtype: a dtype-like object (not a name).
+
+  Returns:
+    True for a floating dtype one byte wide, e.g. ``jnp.float8_e4m3fn``.
+
+  >>> is_float8(jnp.float8_e5m2), is_float8(jnp.bfloat16)
+  (True, False)
+  """
   return jnp.issubdtype(np.dtype(dtype), jnp.floating) and np.dtype(dtype).itemsize == 1
 
 
 def scalar_type(dtype: DTypeLike) -> ScalarType:
-  """Returns the JAX scalar type of a floating dtype (name or dtype): ``jnp.float16`` for ``"f16"``.
+  """Returns the JAX scalar type of a floating dtype: ``jnp.float16`` for ``"f16"``.
 
   This is what jmp's policies and ``half_dtype()`` hold, and so what
   :class:`jmp_lite.Policy` holds: a type that is callable (``jnp.float16(2.0)``
   is a float16 array), that finds the dict keys ``jnp.float16`` and
   ``np.float16``, that compares equal to ``np.dtype("float16")`` and that
   ``jnp.dtype(...)`` turns into that ``np.dtype``.
+
+  Args:
+    dtype: a name or dtype-like object, as :func:`parse_dtype` accepts.
+
+  Returns:
+    The ``jax.numpy`` scalar type of that dtype, or NumPy's for a floating
+    dtype ``jax.numpy`` has no name for (long double).
 
   >>> scalar_type("bf16") is jnp.bfloat16, scalar_type(np.dtype("float16")) is jnp.float16
   (True, True)
@@ -184,13 +233,22 @@ def half_dtype_for(platform: str, compute_capability: str | None = None) -> Scal
 
   bfloat16 on TPU, CPU and GPUs with native bf16 arithmetic (NVIDIA compute
   capability 8.0 and newer, AMD); float16 on NVIDIA GPUs older than Ampere,
-  where bf16 is emulated and slow. Returns the JAX scalar type
-  (``jnp.bfloat16`` or ``jnp.float16``), as jmp's ``half_dtype`` does.
+  where bf16 is emulated and slow.
 
   Args:
     platform: ``"cpu"``, ``"gpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"``.
     compute_capability: the device's ``compute_capability`` attribute, e.g.
       ``"7.0"`` (NVIDIA) or ``"gfx90a"`` (AMD); only read on GPUs.
+
+  Returns:
+    The JAX scalar type ``jnp.bfloat16`` or ``jnp.float16``, as jmp's
+    ``half_dtype`` returns.
+
+  Raises:
+    ValueError: for another platform.
+
+  >>> half_dtype_for("gpu", "7.0") is jnp.float16
+  True
   """
   platform = platform.lower()
   if platform in ("tpu", "cpu", "rocm"):
@@ -204,12 +262,18 @@ def half_dtype_for(platform: str, compute_capability: str | None = None) -> Scal
 
 
 def half_dtype(device: jax.Device | None = None) -> ScalarType:
-  """The native 16-bit format of ``device`` (default: the first local device).
+  """The native 16-bit format of ``device``.
 
   Unlike jmp, which returns float16 everywhere but TPU, this returns bfloat16
-  wherever the hardware computes it natively; see :func:`half_dtype_for`. As
-  in jmp the result is a JAX scalar type, so ``half_dtype()(2 ** 15)`` is an
-  array and ``jnp.dtype(half_dtype())`` the ``np.dtype``.
+  wherever the hardware computes it natively; see :func:`half_dtype_for`.
+
+  Args:
+    device: a JAX device (default: the first local device).
+
+  Returns:
+    The JAX scalar type ``jnp.bfloat16`` or ``jnp.float16``, as in jmp: so
+    ``half_dtype()(2 ** 15)`` is an array and ``jnp.dtype(half_dtype())`` the
+    ``np.dtype``.
 
   >>> half_dtype(jax.devices("cpu")[0]) is jnp.bfloat16
   True

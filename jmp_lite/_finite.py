@@ -38,11 +38,28 @@ from jax import lax
 
 
 def is_inexact(x) -> bool:
+  """Whether ``x`` is floating or complex.
+
+  Args:
+    x: an array, a scalar or a dtype.
+
+  Returns:
+    True for a floating or complex dtype, False for integers, booleans and
+    ``float0``.
+  """
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def inexact_leaves(tree) -> list[jax.Array]:
-  """The floating (and complex) leaves of ``tree``; integers and ``float0`` are skipped."""
+  """The leaves of ``tree`` a finiteness check reads.
+
+  Args:
+    tree: a pytree.
+
+  Returns:
+    Its floating (and complex) leaves in tree order; integers and ``float0``
+    are skipped.
+  """
   return [x for x in jax.tree_util.tree_leaves(tree) if is_inexact(x)]
 
 
@@ -101,7 +118,18 @@ def all_finite(
   proxies: Sequence[jax.Array] | None = None,
   proxies_valid: jax.typing.ArrayLike = True,
 ) -> jax.Array:
-  """:func:`all_finite_rule` for the platform the computation is lowered for."""
+  """Whether every element of ``values()`` is finite, by the rule of the platform lowered for.
+
+  Args:
+    values: traces the (non-empty) inexact arrays to check.
+    proxies: arrays the CPU rule sums instead (see :func:`all_finite_rule`).
+    proxies_valid: a bool scalar; where False the CPU rule checks the values
+      elementwise.
+
+  Returns:
+    A bool scalar, exact on every platform; the compiled program holds only
+    the rule of the platform it was lowered for.
+  """
   return lax.platform_dependent(
     cpu=functools.partial(all_finite_rule, "cpu", values, proxies, proxies_valid),
     default=functools.partial(all_finite_rule, "default", values, proxies, proxies_valid),

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax.extend as jex
+import numpy as np
 
 # Ops that only move or re-type values.
 TRANSPARENT = frozenset(
@@ -88,7 +89,28 @@ def sub_jaxprs(eqn: Any) -> list[SubJaxpr]:
 
 
 def is_literal(atom: Any) -> bool:
+  """Whether ``atom`` is a literal (a constant written into the jaxpr), not a variable."""
   return isinstance(atom, jex.core.Literal)
+
+
+def dtype_of(atom: Any) -> np.dtype | None:
+  """The numpy dtype of a jaxpr atom; None for tokens and extended dtypes (PRNG keys)."""
+  dtype = getattr(getattr(atom, "aval", None), "dtype", None)
+  try:
+    return np.dtype(dtype) if dtype is not None else None
+  except TypeError:
+    return None
+
+
+def shape_of(atom: Any) -> tuple[int, ...]:
+  """The shape of a jaxpr atom (``()`` when it has none)."""
+  return tuple(getattr(getattr(atom, "aval", None), "shape", ()))
+
+
+def aval_str(atom: Any) -> str:
+  """The short type of a jaxpr atom, e.g. ``"float16[2,4]"``."""
+  aval = getattr(atom, "aval", None)
+  return aval.str_short() if aval is not None else repr(atom)
 
 
 def path_name(path: Sequence[Any]) -> str:

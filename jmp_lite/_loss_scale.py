@@ -76,15 +76,36 @@ class LossScale(Protocol):
     ...
 
   def scale(self, tree: T) -> T:
-    """Multiplies a loss (or any tree of floating values) by ``loss_scale``."""
+    """Multiplies a loss (or any tree of floating values) by ``loss_scale``.
+
+    Args:
+      tree: a scalar loss or a pytree; non-floating leaves pass through.
+
+    Returns:
+      ``tree`` scaled, with its structure.
+    """
     ...
 
   def unscale(self, tree: T) -> T:
-    """Divides scaled gradients by the scale each carries, in at least fp32."""
+    """Divides scaled gradients by the scale each carries, in at least fp32.
+
+    Args:
+      tree: gradients of the scaled loss.
+
+    Returns:
+      The true gradients; floating leaves at least fp32.
+    """
     ...
 
   def adjust(self, grads_finite: jax.Array) -> Self:
-    """The next state, given only whether this step's gradients were finite."""
+    """The next state, given only whether this step's gradients were finite.
+
+    Args:
+      grads_finite: a bool scalar.
+
+    Returns:
+      The loss scale for the next step.
+    """
     ...
 
   def value_and_grad(
@@ -147,18 +168,34 @@ class _UniformScale:
     argnums: Any = 0,
     value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, Any]]:
-    def scaled_fun(*args, **kwargs):
-      out = fun(*args, **kwargs)
-      value, aux = out if has_aux else (out, None)
-      return self.scale(value), (value, aux)
+    return grad_of_scaled_loss(
+      fun, self.scale, has_aux=has_aux, argnums=argnums, value_and_grad=value_and_grad
+    )
 
-    grad_fn = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+  def scale(self: Any, tree: T) -> T:
+    """Multiplies the floating leaves of ``tree`` by ``loss_scale``.
 
-    def value_and_scaled_grad(*args, **kwargs):
-      (_, (value, aux)), grads = grad_fn(*args, **kwargs)
-      return ((value, aux) if has_aux else value), grads
+    Args:
+      tree: a scalar loss or a pytree.
 
-    return value_and_scaled_grad
+    Returns:
+      ``tree`` with every floating leaf times ``loss_scale`` (JAX's type
+      promotion: a fp32 scale turns a fp16 loss into fp32, as in jmp); other
+      leaves (integers, ``float0``) unchanged.
+    """
+    return _tree_util.scale_tree(tree, self.loss_scale)
+
+  def unscale(self: Any, tree: T) -> T:
+    """Divides the floating leaves of ``tree`` by ``loss_scale``, in at least fp32.
+
+    Args:
+      tree: gradients of the scaled loss.
+
+    Returns:
+      The true gradients: fp16/bf16 leaves come back as fp32, other leaves
+      (integers, ``float0``) unchanged.
+    """
+    return _tree_util.unscale_tree(tree, self.loss_scale)
 
   def unscale_and_adjust(
     self: Any, scaled_grads: Any, params: Any = None, *, axis_name: Any = None
@@ -173,8 +210,30 @@ class _UniformScale:
     return grads, finite, self.adjust(finite)
 
 
+class _FixedScale(_UniformScale):
+  """The kinds whose scale never moves."""
+
+  @property
+  def at_minimum(self) -> jax.Array:
+    """Always False: a fixed scale is never pinned at a floor."""
+    return jnp.zeros((), jnp.bool_)
+
+  def adjust(self, grads_finite: jax.Array) -> Self:
+    """Returns this scale unchanged (``grads_finite`` is still checked).
+
+    Args:
+      grads_finite: a bool scalar, whether this step's gradients were finite.
+
+    Returns:
+      ``self``.
+    """
+    _validation.check_predicate(grads_finite, "grads_finite")
+    return self
+
+
+@_tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class NoOpLossScale(_UniformScale):
+class NoOpLossScale(_FixedScale):
   """A loss scale of 1: scale and unscale return their input unchanged.
 
   With :func:`jmp_lite.loss_scaling` it still skips steps with non-finite
@@ -186,25 +245,26 @@ class NoOpLossScale(_UniformScale):
 
   @property
   def loss_scale(self) -> np.ndarray:
+    """1, as a float32 scalar."""
     return np.ones((), np.float32)
 
-  @property
-  def at_minimum(self) -> jax.Array:
-    return jnp.zeros((), jnp.bool_)
-
   def scale(self, tree: T) -> T:
+    """Returns ``tree`` unchanged: scaling and unscaling by 1 are identities.
+
+    Args:
+      tree: a loss, or any pytree.
+
+    Returns:
+      ``tree`` itself (no cast, no copy).
+    """
     return tree
 
-  def unscale(self, tree: T) -> T:
-    return tree
-
-  def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
-    _validation.check_predicate(grads_finite, "grads_finite")
-    return self
+  unscale = scale
 
 
+@_tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class StaticLossScale(_UniformScale):
+class StaticLossScale(_FixedScale):
   """Scales and unscales by a fixed ``loss_scale`` (use a power of two).
 
   ``scale`` multiplies floating leaves by S with JAX's type promotion (a fp32
@@ -225,21 +285,8 @@ class StaticLossScale(_UniformScale):
   def __post_init__(self):
     object.__setattr__(self, "loss_scale", _validation.as_scale(self.loss_scale, "loss_scale"))
 
-  @property
-  def at_minimum(self) -> jax.Array:
-    return jnp.zeros((), jnp.bool_)
 
-  def scale(self, tree: T) -> T:
-    return _tree_util.scale_tree(tree, self.loss_scale)
-
-  def unscale(self, tree: T) -> T:
-    return _tree_util.unscale_tree(tree, self.loss_scale)
-
-  def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
-    _validation.check_predicate(grads_finite, "grads_finite")
-    return self
-
-
+@_tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(_UniformScale):
   """A loss scale that finds the largest value keeping gradients finite.
@@ -284,12 +331,12 @@ class DynamicLossScale(_UniformScale):
 
   loss_scale: jax.Array
   counter: jax.Array = 0  # type: ignore[assignment]  # made an array in __post_init__
-  period: int = 2000
-  factor: float = 2
-  min_loss_scale: float = 1.0
+  period: int = dataclasses.field(default=2000, metadata=_tree_util.STATIC)
+  factor: float = dataclasses.field(default=2, metadata=_tree_util.STATIC)
+  min_loss_scale: float = dataclasses.field(default=1.0, metadata=_tree_util.STATIC)
   _: dataclasses.KW_ONLY
-  max_loss_scale: float | None = None
-  hysteresis: int = 1
+  max_loss_scale: float | None = dataclasses.field(default=None, metadata=_tree_util.STATIC)
+  hysteresis: int = dataclasses.field(default=1, metadata=_tree_util.STATIC)
   overflow_streak: jax.Array = 0  # type: ignore[assignment]  # made an array in __post_init__
 
   def __post_init__(self):
@@ -336,16 +383,19 @@ class DynamicLossScale(_UniformScale):
 
   @property
   def at_minimum(self) -> jax.Array:
+    """Whether the scale is at ``min_loss_scale`` (a bool scalar)."""
     return self.loss_scale <= jnp.asarray(self.min_loss_scale, self.loss_scale.dtype)
 
-  def scale(self, tree: T) -> T:
-    return _tree_util.scale_tree(tree, self.loss_scale)
-
-  def unscale(self, tree: T) -> T:
-    return _tree_util.unscale_tree(tree, self.loss_scale)
-
   def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
-    """Returns the next state given whether this step's gradients were finite."""
+    """The next state, by the rule above.
+
+    Args:
+      grads_finite: a bool scalar, whether this step's gradients were finite.
+
+    Returns:
+      The loss scale for the next step (a non-finite step also resets
+      ``counter``).
+    """
     finite = _validation.check_predicate(grads_finite, "grads_finite")
     scale = self.loss_scale
 
@@ -366,13 +416,86 @@ class DynamicLossScale(_UniformScale):
     )
 
 
-_tree_util.register_dataclass(NoOpLossScale, (), ())
-_tree_util.register_dataclass(StaticLossScale, ("loss_scale",), ())
-_tree_util.register_dataclass(
-  DynamicLossScale,
-  ("loss_scale", "counter", "overflow_streak"),
-  ("period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"),
-)
+def grad_of_scaled_loss(
+  fun: Callable[..., Any],
+  scale_loss: Callable[[Any], Any],
+  *,
+  has_aux: bool,
+  argnums: Any,
+  value_and_grad: Callable[..., Callable[..., Any]],
+) -> Callable[..., tuple[Any, Any]]:
+  """``value_and_grad`` of ``scale_loss(fun(...))`` that returns ``fun``'s own value.
+
+  The body of :meth:`LossScale.value_and_grad` for every kind that scales the
+  loss (the layer-wise scale passes a ``fun`` that activates its boundaries).
+
+  Args:
+    fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
+    scale_loss: multiplies the loss by the scale the gradients are to carry.
+    has_aux, argnums, value_and_grad: as in :meth:`LossScale.value_and_grad`.
+
+  Returns:
+    A function with ``fun``'s signature returning ``(value, scaled_grads)``.
+  """
+
+  def scaled_fun(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    value, aux = out if has_aux else (out, None)
+    return scale_loss(value), (value, aux)
+
+  grad_fn = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+  def value_and_scaled_grad(*args, **kwargs):
+    (_, (value, aux)), grads = grad_fn(*args, **kwargs)
+    return ((value, aux) if has_aux else value), grads
+
+  return value_and_scaled_grad
+
+
+def uniform_scale_value(loss_scale: Any, *, instead: str) -> jax.Array:
+  """The one scale every gradient carries, as a float32 scalar.
+
+  The one way to read a scale's value from what a user passes as
+  ``loss_scale``: a loss scale whose ``uniform`` is True, a number or a scalar
+  array.
+
+  Args:
+    loss_scale: a :class:`LossScale`, a positive number or a scalar array.
+    instead: what to do instead, for the error a non-uniform loss scale (e.g.
+      a :class:`jmp_lite.LayerwiseLossScale`) raises.
+
+  Returns:
+    ``loss_scale``'s value, a float32 scalar (traced if ``loss_scale`` is).
+
+  Raises:
+    TypeError: for a non-uniform loss scale, a bool, anything else that is not
+      a real number or a real array, or an array that is not a scalar.
+    ValueError: for a concrete value that is not positive and finite.
+  """
+  if isinstance(loss_scale, LossScale):
+    if not loss_scale.uniform:
+      raise TypeError(
+        f"loss_scale: a {type(loss_scale).__name__} gives each stage its own scale, and "
+        f"this needs the one scale every gradient carries. {instead}"
+      )
+    loss_scale = loss_scale.loss_scale
+  value = loss_scale
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
+  ):
+    raise TypeError(
+      "loss_scale must be a positive number, a scalar array or a jmp_lite.LossScale, "
+      f"got {type(value).__name__}."
+    )
+  value = jnp.asarray(value)
+  if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
+    raise TypeError(f"loss_scale must be a real number, got dtype {value.dtype}.")
+  if value.shape != ():
+    raise TypeError(f"loss_scale must be a scalar, got shape {value.shape}.")
+  value = value.astype(jnp.float32)
+  if _validation.is_concrete(value) and not (float(value) > 0 and math.isfinite(float(value))):
+    raise ValueError(f"loss_scale must be positive and finite, got {float(value)}.")
+  return value
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
@@ -383,6 +506,13 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   ``pmap`` or ``vmap``) the answer is combined across that axis, so every
   device takes the same decision. Under sharded ``jit`` no axis name is needed:
   the reduction is already global.
+
+  Args:
+    tree: any pytree.
+    axis_name: the mapped axis (or axes) to agree across, or None.
+
+  Returns:
+    A bool scalar: True if no floating leaf holds an inf or NaN.
 
   >>> all_finite({"w": jnp.ones(3), "step": jnp.array(7)}).item()
   True
@@ -433,8 +563,15 @@ def _unscaled_all_finite(
 def select_tree(pred: jax.Array, a: T, b: T) -> T:
   """Leaf-wise ``a if pred else b`` for two trees of the same structure.
 
-  ``pred`` must be a boolean scalar (checked at trace time); matching leaves
-  must have the same shape and dtype.
+  Args:
+    pred: a bool scalar (checked at trace time).
+    a: the tree taken where ``pred`` is True.
+    b: the tree taken where ``pred`` is False; matching leaves must have the
+      same shape and dtype as ``a``'s.
+
+  Returns:
+    A tree with their structure, each leaf selected with ``lax.select`` (no
+    branch, so it costs the same either way under ``jit``).
 
   >>> select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"].tolist()
   [0.0, 0.0]

@@ -129,6 +129,95 @@ def _copy_leaf(x: Any) -> Any:
   return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
 
 
+def _check_factor(factor: Any) -> None:
+  if not (isinstance(factor, float | int) and 0 < factor < 1 and math.log2(factor).is_integer()):
+    raise ValueError(f"factor must be a power of two below 1, got {factor!r}.")
+
+
+def _the_loss_scale(args: tuple, kwargs: dict) -> LossScale:
+  """The loss scale of the one loss scaling state among the step's arguments."""
+  found = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state) if _is_state(x)]
+  if len(found) != 1:
+    raise ValueError(
+      f"check_loss_scaling needs exactly one loss scaling state among the step's arguments, "
+      f"found {len(found)}: pass the optimizer state (or TrainState) the step takes."
+    )
+  loss_scale = found[0].loss_scale
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(f"The loss scaling state holds {type(loss_scale).__name__}, not a LossScale.")
+  return loss_scale
+
+
+def _probe_run(step: Callable[..., Any], args: tuple, kwargs: dict, factor: float) -> _Recorder:
+  """Runs ``step`` on copies of its arguments, the loss scale multiplied by ``factor``."""
+  recorder = _Recorder()
+
+  def probe(x):
+    if _is_state(x):
+      x = jax.tree.map(_copy_leaf, x)
+      return x._replace(loss_scale=_ProbeScale(x.loss_scale, factor, recorder))
+    return _copy_leaf(x)
+
+  probe_args, probe_kwargs = jax.tree.map(probe, (args, kwargs), is_leaf=_is_state)
+  jax.block_until_ready(step(*probe_args, **probe_kwargs))
+  jax.effects_barrier()
+  return recorder
+
+
+def _update_norms(first: _Recorder, second: _Recorder) -> tuple[float, float]:
+  """The norms of the true gradients reaching ``update`` in both runs, when comparable."""
+  if not first.at_update or not second.at_update:
+    raise ValueError(
+      "The step never called loss_scaling's update with the loss scaling state it was given."
+    )
+  n1, n2 = math.sqrt(first.at_update[0]), math.sqrt(second.at_update[0])
+  if not (math.isfinite(n1) and math.isfinite(n2)):
+    raise ValueError(
+      "The step's gradients are not finite at the current loss scale, so the check cannot "
+      "compare them: run it on a batch (or with a loss scale) that does not overflow."
+    )
+  if n1 == 0:
+    raise ValueError("The step's gradients are all zero: run the check on a batch that has some.")
+  return n1, n2
+
+
+def _diagnosis(first: _Recorder, n1: float, ratio: float, factor: float) -> str:
+  """What is wrong with a step whose gradients changed by ``ratio`` instead of ``factor``."""
+  if first.from_value_and_grad:
+    computed = math.sqrt(first.from_value_and_grad[0])
+    if abs(computed - n1) > 1e-3 * computed:
+      return (
+        "The gradients changed between the scaled value-and-grad and loss_scaling's update "
+        f"(norm {computed:.6g} -> {n1:.6g}, true units): a transformation before loss_scaling "
+        "sees scaled gradients, e.g. optax.chain(optax.clip_by_global_norm(...), "
+        "jl.loss_scaling(...)), which clips S times too early. Put loss_scaling outermost: "
+        "jl.loss_scaling(optax.chain(optax.clip_by_global_norm(...), optimizer), loss_scale)."
+      )
+  if abs(ratio - 1) <= 1e-3 and not first.from_value_and_grad:
+    return (
+      "The gradients reaching loss_scaling's update do not carry the loss scale (scaling it by "
+      f"{factor:g} changed them by {ratio:.6g}). Either they are gradients of the unscaled loss "
+      "(every update is then 1/S of what it should be: take them with "
+      "jl.scaled_value_and_grad(loss_fn, opt_state) or differentiate loss_scale.scale(loss)), "
+      "or a transformation before loss_scaling, such as optax.clip_by_global_norm, sees the "
+      "scaled gradients (put loss_scaling outermost: jl.loss_scaling(optax.chain(clip, "
+      "optimizer), loss_scale))."
+    )
+  if abs(ratio - 1) <= 1e-3:
+    return (
+      "The gradients reaching loss_scaling's update do not carry the loss scale (scaling it by "
+      f"{factor:g} changed them by {ratio:.6g}): they are gradients of the unscaled loss, so "
+      "every update is 1/S of what it should be. Take them with "
+      "jl.scaled_value_and_grad(loss_fn, opt_state), TrainState.value_and_grad or "
+      "Optimizer.value_and_grad (or differentiate loss_scale.scale(loss))."
+    )
+  return (
+    f"Scaling the loss by {factor:g} changed the gradients reaching loss_scaling's update by "
+    f"{ratio:.6g}: something between the loss and the update does not scale linearly (a "
+    "transformation before loss_scaling, or gradients modified in the step)."
+  )
+
+
 def check_loss_scaling(
   step: Callable[..., Any], *args: Any, factor: float = 2.0**-4, **kwargs: Any
 ) -> None:
@@ -149,88 +238,24 @@ def check_loss_scaling(
 
   Args:
     step: the training step, as the training loop calls it (jitted or not).
-    args, kwargs: its arguments; exactly one loss scaling state must be
-      among them.
-    factor: the second run's scale multiplier (a power of two, below 1 so the
-      second run cannot overflow where the first did not).
+    *args: its positional arguments; exactly one loss scaling state must be
+      among ``args`` and ``kwargs``.
+    factor: :math:`f`, the second run's scale multiplier (a power of two,
+      below 1 so the second run cannot overflow where the first did not).
+    **kwargs: its keyword arguments.
 
   Raises:
-    ValueError: naming the mistake and its fix, with the measured ratio.
+    ValueError: naming the mistake and its fix, with the measured ratio; or
+      when the check cannot run (no or several loss scaling states, ``update``
+      never called, gradients not finite or all zero).
+    TypeError: when the state holds no :class:`~jmp_lite.LossScale`.
   """
-  if not (isinstance(factor, float | int) and 0 < factor < 1 and math.log2(factor).is_integer()):
-    raise ValueError(f"factor must be a power of two below 1, got {factor!r}.")
-  found = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state) if _is_state(x)]
-  if len(found) != 1:
-    raise ValueError(
-      f"check_loss_scaling needs exactly one loss scaling state among the step's arguments, "
-      f"found {len(found)}: pass the optimizer state (or TrainState) the step takes."
-    )
-  loss_scale = found[0].loss_scale
-  if not isinstance(loss_scale, LossScale):
-    raise TypeError(f"The loss scaling state holds {type(loss_scale).__name__}, not a LossScale.")
+  _check_factor(factor)
+  loss_scale = _the_loss_scale(args, kwargs)
   if isinstance(loss_scale, NoOpLossScale):
     return  # scaled and unscaled gradients coincide, now and later: nothing can go wrong
-
-  def run(f: float) -> _Recorder:
-    recorder = _Recorder()
-
-    def probe(x):
-      if _is_state(x):
-        x = jax.tree.map(_copy_leaf, x)
-        return x._replace(loss_scale=_ProbeScale(x.loss_scale, f, recorder))
-      return _copy_leaf(x)
-
-    probe_args, probe_kwargs = jax.tree.map(probe, (args, kwargs), is_leaf=_is_state)
-    jax.block_until_ready(step(*probe_args, **probe_kwargs))
-    jax.effects_barrier()
-    return recorder
-
-  first, second = run(1.0), run(factor)
-  if not first.at_update or not second.at_update:
-    raise ValueError(
-      "The step never called loss_scaling's update with the loss scaling state it was given."
-    )
-  n1, n2 = math.sqrt(first.at_update[0]), math.sqrt(second.at_update[0])
-  if not (math.isfinite(n1) and math.isfinite(n2)):
-    raise ValueError(
-      "The step's gradients are not finite at the current loss scale, so the check cannot "
-      "compare them: run it on a batch (or with a loss scale) that does not overflow."
-    )
-  if n1 == 0:
-    raise ValueError("The step's gradients are all zero: run the check on a batch that has some.")
+  first, second = _probe_run(step, args, kwargs, 1.0), _probe_run(step, args, kwargs, factor)
+  n1, n2 = _update_norms(first, second)
   ratio = n2 / n1
-  if abs(ratio / factor - 1) <= 1e-3:
-    return
-  if first.from_value_and_grad:
-    computed = math.sqrt(first.from_value_and_grad[0])
-    if abs(computed - n1) > 1e-3 * computed:
-      raise ValueError(
-        "The gradients changed between the scaled value-and-grad and loss_scaling's update "
-        f"(norm {computed:.6g} -> {n1:.6g}, true units): a transformation before loss_scaling "
-        "sees scaled gradients, e.g. optax.chain(optax.clip_by_global_norm(...), "
-        "jl.loss_scaling(...)), which clips S times too early. Put loss_scaling outermost: "
-        "jl.loss_scaling(optax.chain(optax.clip_by_global_norm(...), optimizer), loss_scale)."
-      )
-  if abs(ratio - 1) <= 1e-3 and not first.from_value_and_grad:
-    raise ValueError(
-      "The gradients reaching loss_scaling's update do not carry the loss scale (scaling it by "
-      f"{factor:g} changed them by {ratio:.6g}). Either they are gradients of the unscaled loss "
-      "(every update is then 1/S of what it should be: take them with "
-      "jl.scaled_value_and_grad(loss_fn, opt_state) or differentiate loss_scale.scale(loss)), "
-      "or a transformation before loss_scaling, such as optax.clip_by_global_norm, sees the "
-      "scaled gradients (put loss_scaling outermost: jl.loss_scaling(optax.chain(clip, "
-      "optimizer), loss_scale))."
-    )
-  if abs(ratio - 1) <= 1e-3:
-    raise ValueError(
-      "The gradients reaching loss_scaling's update do not carry the loss scale (scaling it by "
-      f"{factor:g} changed them by {ratio:.6g}): they are gradients of the unscaled loss, so "
-      "every update is 1/S of what it should be. Take them with "
-      "jl.scaled_value_and_grad(loss_fn, opt_state), TrainState.value_and_grad or "
-      "Optimizer.value_and_grad (or differentiate loss_scale.scale(loss))."
-    )
-  raise ValueError(
-    f"Scaling the loss by {factor:g} changed the gradients reaching loss_scaling's update by "
-    f"{ratio:.6g}: something between the loss and the update does not scale linearly (a "
-    "transformation before loss_scaling, or gradients modified in the step)."
-  )
+  if abs(ratio / factor - 1) > 1e-3:
+    raise ValueError(_diagnosis(first, n1, ratio, factor))

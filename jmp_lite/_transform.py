@@ -1,20 +1,20 @@
-"""Loss scaling as an Optax gradient transformation.
+r"""Loss scaling as an Optax gradient transformation.
 
 :func:`loss_scaling` wraps any optimizer. Its ``update`` takes the gradients of
 the *scaled* loss and does, in one jitted step with no host sync:
 
 .. math::
 
-  g = \\mathrm{cast}_{p}\\big(\\hat g / S_t\\big), \\qquad
-  \\text{finite} = \\textstyle\\bigwedge_i \\mathrm{isfinite}(g_i), \\qquad
-  (u, s') = \\begin{cases}
-    \\mathrm{inner}(g, s) & \\text{finite} \\\\
-    (0, s) & \\text{otherwise}
-  \\end{cases}, \\qquad
-  S_{t+1} = \\mathrm{adjust}(S_t, \\text{finite})
+  g = \mathrm{cast}_{p}\big(\hat g / S_t\big), \qquad
+  \text{finite} = \textstyle\bigwedge_i \mathrm{isfinite}(g_i), \qquad
+  (u, s') = \begin{cases}
+    \mathrm{inner}(g, s) & \text{finite} \\
+    (0, s) & \text{otherwise}
+  \end{cases}, \qquad
+  S_{t+1} = \mathrm{adjust}(S_t, \text{finite})
 
-where :math:`\\hat g` are the scaled gradients, :math:`S_t` the loss scale that
-produced them, :math:`\\mathrm{cast}_p` a cast to at least fp32 (or the
+where :math:`\hat g` are the scaled gradients, :math:`S_t` the loss scale that
+produced them, :math:`\mathrm{cast}_p` a cast to at least fp32 (or the
 parameter dtype), and :math:`s` the inner optimizer's state. A skipped step
 leaves the inner state bit-identical (Adam's step count does not advance) and
 returns zero updates, so no NaN ever reaches the parameters.
@@ -142,8 +142,13 @@ def loss_scaling(
 def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
   """Finds the (single) :class:`LossScalingState` inside an optimizer state.
 
-  Works through ``optax.chain`` tuples, ``MultiSteps``, ``inject_hyperparams``
-  and any other pytree nesting.
+  Args:
+    opt_state: the state of :func:`loss_scaling`, or any state containing it:
+      ``optax.chain`` tuples, ``MultiSteps``, ``inject_hyperparams`` and any
+      other pytree nesting.
+
+  Returns:
+    The :class:`LossScalingState`.
 
   Raises:
     ValueError: if there is none, or more than one.
@@ -168,9 +173,13 @@ def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
 def get_loss_scale(opt_state: Any) -> LossScale:
   """Returns the current loss scale held in an optimizer state.
 
-  ``opt_state`` may be the state of :func:`loss_scaling` itself or any state
-  containing it (a chain, ``MultiSteps``, a Flax ``TrainState.opt_state``...).
-  A loss scale passed directly is returned as is.
+  Args:
+    opt_state: the state of :func:`loss_scaling` itself or any state
+      containing it (a chain, ``MultiSteps``, a Flax ``TrainState.opt_state``...).
+      A loss scale passed directly is returned as is.
+
+  Returns:
+    The :class:`LossScale` to scale the next step's loss with.
 
   Raises:
     ValueError: if ``opt_state`` holds no (or more than one) loss scaling state.

@@ -1,4 +1,9 @@
-"""Argument checks shared by the loss scales (private)."""
+"""Argument checks shared across the package (private).
+
+Each check takes the value and the name the caller knows it by, and raises
+TypeError (wrong kind) or ValueError (right kind, wrong value) with a message
+that names both.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,29 @@ import numpy as np
 
 
 def is_concrete(x) -> bool:
+  """Whether ``x`` has a value now, i.e. is not traced.
+
+  Args:
+    x: anything.
+
+  Returns:
+    False for a tracer (inside ``jit``, ``grad``...), True otherwise.
+  """
   return not isinstance(x, jax.core.Tracer)
 
 
 def as_scale(value: jax.typing.ArrayLike, name: str, *, warn_integer: bool = False) -> jax.Array:
   """Converts a loss scale to a strongly typed floating scalar and checks it.
 
-  An integer scale becomes float32; with ``warn_integer`` that conversion
-  warns, as jmp's ``DynamicLossScale`` does for an integer scale.
+  Args:
+    value: a number or scalar array, possibly traced (then only its type and
+      shape are checked).
+    name: the argument's name, for the error messages.
+    warn_integer: warn when an integer scale is converted to float32, as
+      jmp's ``DynamicLossScale`` does.
+
+  Returns:
+    A scalar array of ``value``'s floating dtype (float32 for an integer).
   """
   if isinstance(value, (bool, np.bool_)) or (hasattr(value, "dtype") and value.dtype == bool):
     raise TypeError(f"{name} must be a positive number, got {value!r}.")
@@ -47,7 +67,16 @@ def as_scale(value: jax.typing.ArrayLike, name: str, *, warn_integer: bool = Fal
 
 
 def as_bound(value: Any, name: str, dtype: np.dtype) -> float:
-  """Converts a static bound to a Python float representable in ``dtype``."""
+  """Converts a static bound to a Python float representable in ``dtype``.
+
+  Args:
+    value: a concrete positive finite number.
+    name: the argument's name, for the error messages.
+    dtype: the dtype the bound is compared in.
+
+  Returns:
+    ``value`` as a Python float.
+  """
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
       f"{name} is static configuration and must be a concrete number, got a "
@@ -71,6 +100,16 @@ def as_bound(value: Any, name: str, dtype: np.dtype) -> float:
 
 
 def check_int(value: Any, name: str, minimum: int) -> int:
+  """Checks a static integer setting.
+
+  Args:
+    value: a Python or NumPy integer (not a bool).
+    name: the argument's name, for the error messages.
+    minimum: the smallest value allowed.
+
+  Returns:
+    ``value`` as a Python int.
+  """
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral)):
     raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}.")
   if value < minimum:
@@ -79,7 +118,15 @@ def check_int(value: Any, name: str, minimum: int) -> int:
 
 
 def check_predicate(pred: Any, name: str) -> jax.Array:
-  """A boolean scalar, checked at trace time (works on tracers)."""
+  """Checks a boolean scalar at trace time (works on tracers).
+
+  Args:
+    pred: a boolean scalar, e.g. whether the gradients are finite.
+    name: the argument's name, for the error messages.
+
+  Returns:
+    ``pred`` as a bool array of shape ``()``.
+  """
   pred = jnp.asarray(pred)
   if pred.dtype != jnp.bool_:
     raise TypeError(f"{name} must be a boolean scalar, got dtype {pred.dtype}.")
@@ -89,7 +136,16 @@ def check_predicate(pred: Any, name: str) -> jax.Array:
 
 
 def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-  """``value`` if it is one of the strings ``choices``; TypeError/ValueError otherwise."""
+  """Checks a string option.
+
+  Args:
+    value: the option given.
+    name: the argument's name, for the error messages.
+    choices: the accepted strings.
+
+  Returns:
+    ``value``, if it is one of ``choices``; TypeError or ValueError otherwise.
+  """
   if not isinstance(value, str):
     raise TypeError(f"{name} must be one of {choices}, got {value!r}.")
   if value not in choices:

@@ -1,6 +1,6 @@
-"""Test configuration: 8 host CPU devices for the multi-device tests.
+"""Test configuration: 8 host CPU devices for the multi-device tests, and the test tiers.
 
-This must run before JAX initialises its backend, which conftest.py does.
+The device flags must be set before JAX initialises its backend, which conftest.py does.
 """
 
 import os
@@ -22,6 +22,43 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
+_TESTS = _ROOT / "tests"
+
+# The test tiers, assigned here and nowhere else (markers registered in pyproject.toml):
+#   unit       fast tests of the library: every test file not listed below;
+#   release    the release checks: ruff, mypy, the Sphinx build, the sdist and wheel;
+#   benchmark  the scripts under benchmarks/ and examples/, run end to end at tiny sizes.
+# `pytest -m unit` runs the unit tier alone; README's command (and CI) runs all three.
+# tests/test_static_checks.py checks that every file listed exists and that every file that
+# imports a script from benchmarks/ or examples/ is in the benchmark tier.
+TIERS: dict[str, tuple[str, ...]] = {
+  "release": (
+    "test_static_checks.py",
+    "test_packaging.py",
+  ),
+  "benchmark": (
+    "test_examples.py",
+    "test_fp8_check.py",
+    "test_gpu_benchmark.py",
+    "test_layerwise_experiment.py",
+    "flax/test_flax_memory_benchmark.py",
+    "flax/test_flax_proxies_benchmark.py",
+  ),
+}
+_TIER_OF = {path: tier for tier, paths in TIERS.items() for path in paths}
+
+
+def tier_of(path: pathlib.Path) -> str:
+  """The tier of the test file at ``path``: its entry in ``TIERS``, or ``"unit"``."""
+  path = path.resolve()
+  if not path.is_relative_to(_TESTS):  # e.g. doctests collected from jmp_lite/
+    return "unit"
+  return _TIER_OF.get(path.relative_to(_TESTS).as_posix(), "unit")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  for item in items:
+    item.add_marker(tier_of(item.path))
 
 
 @pytest.fixture

@@ -39,12 +39,17 @@ def test_format_facts(name, exp, man, max_, min_normal, min_subnormal, eps):
     eps,
   )
   assert info.bits == 1 + exp + man
-  # The facts describe the dtype's real behaviour, not just the table.
+  # The facts describe the dtype's real behaviour, not just the table: each value is exactly
+  # representable, and halfway to the next value rounds to even.
   dt = info.dtype
-  assert np.asarray(info.min_subnormal, dt) > 0
-  assert np.asarray(info.min_subnormal / 2, dt) == 0  # ties-to-even rounds to 0
-  assert np.isfinite(np.asarray(info.max, dt))
-  assert np.asarray(1 + info.epsilon, dt) > 1
+  as_dt = lambda x: float(np.asarray(x, dt))
+  assert as_dt(info.min_subnormal) == info.min_subnormal
+  assert as_dt(info.min_subnormal / 2) == 0.0  # ties-to-even rounds to 0
+  assert as_dt(info.min_normal) == info.min_normal
+  assert as_dt(info.min_normal - info.min_subnormal) == info.min_normal - info.min_subnormal
+  assert as_dt(info.max) == info.max
+  assert as_dt(1 + info.epsilon) == 1 + info.epsilon
+  assert as_dt(1 + info.epsilon / 2) == 1.0  # the tie goes to 1.0, whose last bit is even
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,8 @@ def test_digits_quick_with_layerwise_scaling(tmp_path):
   assert _decreased(result["train_loss"])
   assert result["final"]["val_accuracy"] > 0.5  # 10 classes: chance is 0.1
   assert len(result["stage_scales"][-1]) == 4
-  assert result["skipped"] == [] or all(0 <= s < result["steps"] for s in result["skipped"])
+  assert result["skipped"] == sorted(set(result["skipped"]))
+  assert all(0 <= s < result["steps"] for s in result["skipped"])
 
 
 def test_charlm_quick_with_fp8():
@@ -120,6 +121,9 @@ def test_comparison_writes_table_plots_and_json(comparison):
     assert (out / f"charlm_{name}.png").stat().st_size > 1000
   assert (out / "charlm_compare.md").read_text().count("\n") == 2 + 3
   assert [row["recipe"] for row in summary["table"]] == ["fp32", "fp16", "fp16-dynamic"]
+  fp32 = summary["table"][0]
+  assert fp32["step_time_vs_fp32"] == 1.0 and fp32["memory_vs_fp32"] == 1.0
+  fp32_bytes = summary["results"]["fp32"]["memory"]["total_bytes"]
   for row in summary["table"]:
     assert set(row) >= {
       "train_loss",
@@ -133,7 +137,12 @@ def test_comparison_writes_table_plots_and_json(comparison):
       "step_time_vs_fp32",
       "memory_vs_fp32",
     }
-    assert row["step_time_ms"] > 0 and row["memory_mib"] > 0
+    # Time and memory are measured; the table shows them and their ratios to fp32's.
+    total_bytes = summary["results"][row["recipe"]]["memory"]["total_bytes"]
+    assert row["memory_mib"] == pytest.approx(total_bytes / 2**20, rel=1e-5)
+    assert row["memory_vs_fp32"] == pytest.approx(total_bytes / fp32_bytes, rel=1e-5)
+    ratio = row["step_time_ms"] / fp32["step_time_ms"]
+    assert row["step_time_vs_fp32"] == pytest.approx(ratio, rel=1e-5)
     # The JSON keeps 6 significant digits.
     assert row["val_bpc"] == pytest.approx(row["val_loss"] / math.log(2), rel=1e-5)
 
@@ -147,13 +156,25 @@ def test_comparison_results_are_sane(comparison):
     assert _finite(r["train_loss"]) and _finite(r["val_loss"]), name
     assert all(0 <= s < steps for s in r["skipped"]), name
     assert all(s > 0 for s in r["loss_scale"]), name
-    assert r["memory"]["total_bytes"] > 0 and r["compile_s"] > 0
+    memory = r["memory"]  # compiled.memory_analysis(); donated arguments are counted once
+    assert memory["total_bytes"] == (
+      memory["argument_size_in_bytes"]
+      + memory["output_size_in_bytes"]
+      - memory["alias_size_in_bytes"]
+      + memory["temp_size_in_bytes"]
+    )
+    assert memory["argument_size_in_bytes"] > 0 and r["compile_s"] > 0
     for layers in r["grad_stats"].values():
       for stats in layers.values():
         assert 0.0 <= stats["zero_fraction"] <= 1.0
         assert 0.0 <= stats["underflow_fraction"] <= 1.0
+  assert results["fp32"]["skipped"] == []
   assert results["fp16"]["loss_scale"] == [1.0] * steps
-  assert results["fp16-dynamic"]["loss_scale"][0] == 2.0**15
+  # The dynamic scale starts at 2^15 and halves after each skipped step (hysteresis 1).
+  scales, skipped = results["fp16-dynamic"]["loss_scale"], results["fp16-dynamic"]["skipped"]
+  assert scales[0] == 2.0**15
+  halved = [i for i in range(steps - 1) if scales[i + 1] == scales[i] / 2]
+  assert halved == [s for s in skipped if s < steps - 1]
 
 
 def test_underflow_scenario(comparison):

@@ -1,7 +1,9 @@
 """fp8 delayed scaling: quantization, scale updates, the matmul and its state."""
 
+import concurrent.futures
 import contextlib
 import functools
+import inspect
 import pickle
 import re
 
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jmp_lite as jl
 from jmp_lite import fp8
+from jmp_lite.fp8._matmul import DOT_KERNEL, DotOptions
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 FMT = {d: jl.FORMATS[d.name] for d in (E4M3, E5M2)}
@@ -491,6 +494,60 @@ def test_dot_general_under_vmap_and_jit():
   np.testing.assert_array_equal(f(xs), jnp.einsum("bij,jk->bik", xs, k))
 
 
+def test_einsum_takes_exactly_the_keyword_options_of_dot_general():
+  """einsum passes its options on to dot_general: the two keyword lists cannot drift apart."""
+  keyword_only = [
+    name
+    for name, p in inspect.signature(fp8.dot_general).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+  ]
+  assert list(DotOptions.__annotations__) == keyword_only
+  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  x = jnp.ones((2, 3))
+  with pytest.raises(TypeError, match="unexpected keyword argument 'precison'"):
+    fp8.einsum("ij,jk->ik", x, x.T, state, precison=None)
+  y = fp8.einsum("ij,jk->ik", x, x.T, state, preferred_element_type=jnp.bfloat16)
+  assert y.dtype == jnp.bfloat16 and y.tolist() == [[3.0, 3.0], [3.0, 3.0]]
+
+
+def test_a_substituted_dot_kernel_is_traced_inside_its_scope_only():
+  """The scope benchmarks/fp8_check.py uses to trace an earlier formulation of the matmul."""
+  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  x, k = jnp.full((2, 3), 2.0), jnp.full((3, 4), 0.5)
+  seen = []
+
+  def kernel(lhs, rhs, scales, probe, loss_scale, spec):
+    seen.append(spec)
+    return jnp.zeros(jax.eval_shape(lambda: lax.dot_general(lhs, rhs, spec.dims)).shape)
+
+  with DOT_KERNEL.scope(kernel):
+    substituted = fp8.einsum("ij,jk->ik", x, k, state)
+  np.testing.assert_array_equal(substituted, np.zeros((2, 4)))
+  assert [spec.dims for spec in seen] == [MATMUL]
+  np.testing.assert_array_equal(fp8.dot_general(x, k, MATMUL, state), np.full((2, 4), 3.0))
+
+
+def test_current_scaling_scopes_nest_and_stay_in_their_thread():
+  """Every open scope counts an op traced inside; another thread sees none of them."""
+  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  x, k = jnp.full((1, 1), 896.0), jnp.full((1, 1), 448.0)  # 896 saturates E4M3 at scale 1
+  exact, saturated = 896.0 * 448.0, 448.0 * 448.0
+
+  def traced(probe):
+    return float(fp8.dot_general(x, k, MATMUL, state, probe)[0, 0])
+
+  probe = fp8.zeros_amax(state)
+  with fp8.current_scaling() as outer:
+    assert traced(probe) == exact  # its own scale: exact
+    with fp8.current_scaling() as inner:
+      assert traced(probe) == exact
+      assert traced(None) == exact  # current scaling without a probe, counted by neither
+      with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(traced, probe).result() == saturated  # delayed: saturated
+  assert (outer.probed_ops, inner.probed_ops) == (2, 1)
+  assert traced(probe) == saturated
+
+
 # einsum --------------------------------------------------------------------------------
 
 
@@ -626,6 +683,10 @@ def test_training_adapts_scales_and_tracks_bf16():
   assert all(s != 1.0 for s in scales[-1])
   assert scales[-1][2] < 1e-3 and scales[-1][0] < 0.05
   assert len({tuple(s) for s in scales}) > 2  # they keep adapting as the weights move
+  for dot in state.values():  # each is its history's max over the format's largest value
+    for tensor, dtype in zip(dot, (E4M3, E4M3, E5M2), strict=True):
+      want = np.float32(np.max(tensor.amax_history)) / np.float32(FMT[dtype].max)
+      assert float(tensor.scale) == pytest.approx(float(want), rel=1e-6)
   # Evaluated in float32: the fp8-trained and bf16-trained weights reach similar losses.
   loss, ref_loss = (float(mlp_loss(p, None, None, x, y)) for p in (params, ref))
   start = float(mlp_loss(mlp_init(), None, None, x, y))
@@ -1030,7 +1091,7 @@ def test_overflow_skips_the_step_and_leaves_gradient_scales_alone():
   y = y + 1e4  # large errors, so the scaled output gradients overflow float32
   loss_scale = jl.DynamicLossScale(jnp.float32(2.0**126), period=1000)
   params, state, opt_state, history = train_with_loss_scaling(loss_scale, 1, x, y)
-  ls_state = jl.transform.get_loss_scaling_state(opt_state)
+  ls_state = jl.get_loss_scaling_state(opt_state)
   assert not bool(ls_state.last_finite) and int(ls_state.skipped_steps) == 1
   assert float(ls_state.loss_scale.loss_scale) == 2.0**125
   jax.tree.map(np.testing.assert_array_equal, params, mlp_init())  # nothing applied
@@ -1038,70 +1099,26 @@ def test_overflow_skips_the_step_and_leaves_gradient_scales_alone():
   for name in ("l1", "l2"):
     assert not np.isfinite(history[0][name].output_grad)  # inf stayed inf through fp8
     assert_close(state[name].output_grad, fresh[name].output_grad, rtol=0)  # ... not recorded
-    assert float(state[name].input.amax_history[0]) > 0  # the forward pass was fine
+    # The forward pass was fine: its input amax was recorded as observed.
+    assert float(state[name].input.amax_history[0]) == float(history[0][name].input)
+  assert float(history[0]["l1"].input) == float(fp8.compute_amax(x))
   # With the scale backed off enough, the next steps are finite and train.
   params, state, opt_state, _ = train_with_loss_scaling(
     jl.DynamicLossScale(jnp.float32(2.0**10)), 2, x, y
   )
-  assert bool(jl.transform.get_loss_scaling_state(opt_state).last_finite)
-
-
-# Policy spelling -----------------------------------------------------------------------
+  assert bool(jl.get_loss_scaling_state(opt_state).last_finite)
 
 
 @pytest.mark.parametrize(
-  "spec, policy, recipe",
+  ("loss_scale", "error", "match"),
   [
-    ("p=f32,c=bf16,o=f32,fp8=hybrid", "p=f32,c=bf16,o=f32", (E4M3, E5M2)),
-    (" fp8 = E4M3 , params=float32, compute=bfloat16", "p=f32,c=bf16,o=bf16", (E4M3, E4M3)),
-    ("mixed_bfloat16,fp8=e5m2", "mixed_bfloat16", (E5M2, E5M2)),
-    ("fp8=hybrid", "full", (E4M3, E5M2)),
-    ("p=f32,c=bf16,fp8=f8e5m2/float8_e4m3fn", "p=f32,c=bf16", (E5M2, E4M3)),
-    ("p=f32,c=f8e4m3", "full", (E4M3, E5M2)),  # the fp8 compute dtype spelling
-    ("p=bf16,c=e5m2,o=f32", "p=bf16,c=bf16,o=f32", (E5M2, E5M2)),
-    ("p=f32,c=bf16,o=f32,fp8=none", "p=f32,c=bf16,o=f32", None),
-    ("half", "half", None),
+    (jl.LayerwiseLossScale([0, 1]), TypeError, "gives each stage its own scale"),
+    (0.0, ValueError, "positive"),
+    (True, TypeError, "got bool"),
+    (jnp.ones(2), TypeError, "scalar"),
   ],
 )
-def test_get_fp8_policy(spec, policy, recipe):
-  got = fp8.get_fp8_policy(spec)
-  assert got.policy == jl.get_policy(policy)
-  if recipe is None:
-    assert got.config is None
-  else:
-    assert (got.config.fwd_dtype, got.config.bwd_dtype) == recipe
-  assert fp8.get_fp8_policy(str(got)) == got
-  assert fp8.get_fp8_policy(got) is got
-  assert fp8.get_fp8_policy(jl.get_policy(policy)).config is None
-
-
-def test_get_fp8_policy_config_options():
-  got = fp8.get_fp8_policy("p=f32,c=bf16,fp8=hybrid", amax_history_length=16, margin=1)
-  assert got.config == fp8.Fp8Config(amax_history_length=16, margin=1)
-  assert str(got) == "p=f32,c=bf16,o=bf16,fp8=hybrid"
-  assert fp8.get_fp8_policy(got, margin=2).config.margin == 2.0
-
-
-@pytest.mark.parametrize(
-  "spec, kwargs, error, match",
-  [
-    ("p=f32,fp8=fast", {}, ValueError, "Unknown fp8 recipe 'fast'"),
-    ("fp8=hybrid,fp8=e4m3", {}, ValueError, "'fp8' given twice"),
-    ("c=f8e4m3,fp8=hybrid", {}, ValueError, "both an fp8 compute dtype and an fp8= recipe"),
-    ("fp8=bf16/e5m2", {}, ValueError, "forward format must be an fp8 format"),
-    ("p=f32,c=bf16", {"margin": 1}, ValueError, r"fp8 options \['margin'\]"),
-    ("fp8=hybrid", {"amax_history_length": 0}, ValueError, "got 0"),
-    ("p=f32,x=bf16,fp8=hybrid", {}, ValueError, "Unknown key 'x'"),
-    (3, {}, TypeError, "get_fp8_policy expects a string"),
-  ],
-)
-def test_get_fp8_policy_errors(spec, kwargs, error, match):
+def test_dot_general_refuses_loss_scales_it_cannot_use(loss_scale, error, match):
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 2))
   with pytest.raises(error, match=match):
-    fp8.get_fp8_policy(spec, **kwargs)
-
-
-def test_fp8_policy_rejects_fp8_compute_policy():
-  with pytest.raises(ValueError, match="compute dtype float8_e4m3fn"):
-    fp8.Fp8Policy(jl.get_policy("p=f32,c=f8e4m3"), fp8.Fp8Config())
-  with pytest.raises(TypeError, match="jmp_lite Policy"):
-    fp8.Fp8Policy("p=f32", None)
+    fp8.dot_general(x, w, MATMUL, fp8.init_dot_state(), loss_scale=loss_scale)

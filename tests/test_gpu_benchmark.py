@@ -1,4 +1,4 @@
-"""The GPU benchmark script (benchmarks/gpu.py) in its tiny --smoke mode, on any backend.
+"""The GPU benchmark script (benchmarks/gpu.py, its probe and recipes) in --smoke mode, any backend.
 
 The smoke run checks the structure of what the script writes and that every recipe and probe
 case produced a figure or a recorded error; the helpers that read GPU HLO and classify
@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from benchmarks import gpu
+from benchmarks import _gpu_probe, _gpu_recipes, gpu
 
 SMOKE_SECTIONS = "probe,recipes,sizes"  # fp8_check is tested with a stand-in module below
 # Compiled and timed in the smoke run: the references, the loss-scaling pair and the sizes
@@ -56,14 +56,15 @@ def _is_time(x):
 def test_smoke_writes_every_recipe(smoke):
   result, written, md, out = smoke
   width = gpu.SMOKE.model["width"]
-  for name in gpu.SAVED_HLO:
+  for name in _gpu_recipes.SAVED_HLO:
     with gzip.open(out / f"hlo_{name}_d{width}.txt.gz", "rt") as f:
       assert "HloModule" in f.read()
   assert written["sections"].keys() == {"probe", "recipes", "sizes"}
-  assert written["env"]["jax"] and written["env"]["device_kind"]
+  assert written["env"]["jax"] == jax.__version__
+  assert written["env"]["device_kind"] == jax.devices()[0].device_kind
   s = gpu.SMOKE
   rows = written["sections"]["recipes"]["rows"]
-  assert list(rows) == [n for n in gpu.RECIPES if n in TIMED]  # the issue's order
+  assert list(rows) == [n for n in _gpu_recipes.RECIPES if n in TIMED]  # the issue's order
   for name, row in rows.items():
     assert row["label"] in md
     if "error" in row:
@@ -76,19 +77,19 @@ def test_smoke_writes_every_recipe(smoke):
     assert set(row["gemms"]) == {"cublas", "cublaslt", "cublaslt_fp8", "triton_gemm", "cudnn"}
   # Every recipe runs on CPU; each reference's ratio to itself is exactly 1.
   assert not [name for name, row in rows.items() if "ms" not in row]
-  for ref in gpu.REFERENCES:
+  for ref in _gpu_recipes.REFERENCES:
     assert rows[ref][f"x_{ref}"] == 1.0
   assert _is_time(written["sections"]["recipes"]["loss_scaling_cost"])
   assert written["skipped"] == []
   assert result["sections"]["recipes"]["rows"] == rows
 
 
-@pytest.mark.parametrize("name", [n for n in gpu.RECIPES if n not in TIMED])
+@pytest.mark.parametrize("name", [n for n in _gpu_recipes.RECIPES if n not in TIMED])
 def test_every_recipe_lowers(name):
   config, batch = gpu.SMOKE.model, gpu.SMOKE.batch
   tokens = jax.random.randint(jax.random.key(0), (batch, config["length"]), 0, config["vocab"])
-  spec = gpu.RECIPES[name].build(config)
-  state = spec.init(gpu.init_params(config, tokens), tokens)
+  spec = _gpu_recipes.RECIPES[name].build(config)
+  state = spec.init(_gpu_recipes.init_params(config, tokens), tokens)
   lowered = jax.jit(spec.step).lower(state, tokens)
   assert "dot_general" in lowered.as_text()
   _, loss = jax.eval_shape(spec.step, state, tokens)
@@ -102,9 +103,9 @@ def test_smoke_sizes_reuse_the_recipes_rows(smoke):
   assert (row["config"]["width"], row["config"]["layers"]) == gpu.SMOKE.sizes[0]
   recipes = written["sections"]["recipes"]["rows"]
   assert row["reused"] == "recipes"
-  assert row["recipes"] == {n: recipes[n] for n in gpu.SIZE_RECIPES}
+  assert row["recipes"] == {n: recipes[n] for n in _gpu_recipes.SIZE_RECIPES}
   assert _is_time(row["fp8_over_bf16"])
-  assert all(_is_time(row["recipes"][n]["ms"]) for n in gpu.SIZE_RECIPES)
+  assert all(_is_time(row["recipes"][n]["ms"]) for n in _gpu_recipes.SIZE_RECIPES)
   width, layers = gpu.SMOKE.sizes[0]
   assert md.count(f"\n| {width} | {layers} |") == 1
 
@@ -112,7 +113,7 @@ def test_smoke_sizes_reuse_the_recipes_rows(smoke):
 def test_smoke_probe_shows_fp32_accumulation_on_cpu(smoke):
   _, written, md, _ = smoke
   cases = written["sections"]["probe"]["cases"]
-  assert len(cases) == 2 * len(gpu.probe_cases(jnp.float16, 8, 16, 32))
+  assert len(cases) == 2 * len(_gpu_probe.probe_cases(jnp.float16, 8, 16, 32))
   assert {c["dtype"] for c in cases} == {"bfloat16", "float16"}
   for case in cases:  # a verdict, or the stage that failed
     assert ("verdict" in case) != ("error" in case), case
@@ -134,7 +135,7 @@ def test_budget_skips_recipes_and_says_so(tmp_path):
   result = gpu.main(["--smoke", "--out", str(tmp_path), "--only", "recipes", "--budget-s", "0"])
   rows = result["sections"]["recipes"]["rows"]
   assert all(row["skipped"] == "time budget" for row in rows.values())
-  assert sorted(result["skipped"]) == sorted(f"recipes/{n}" for n in gpu.RECIPES)
+  assert sorted(result["skipped"]) == sorted(f"recipes/{n}" for n in _gpu_recipes.RECIPES)
   md = (tmp_path / "gpu.md").read_text()
   assert "Skipped (time budget): recipes/flax_bf16" in md
   assert json.loads((tmp_path / "gpu.json").read_text())["skipped"] == result["skipped"]
@@ -166,12 +167,12 @@ def test_gemm_counts_read_gpu_hlo():
       "algorithm=dot_bf16_bf16_f32",
     ]
   )
-  calls = gpu.hlo_calls(text)
+  calls = _gpu_probe.hlo_calls(text)
   assert calls["custom_calls"]["__cublas$lt$matmul$f8"] == 2
   assert calls["fusion_kinds"] == {"__triton_gemm": 1, "__triton": 1}
   assert calls["algorithms"] == {"dot_bf16_bf16_f32": 1}
   assert calls["dots"] == {"dot": 1}
-  assert gpu.gemm_counts(calls) == {
+  assert _gpu_probe.gemm_counts(calls) == {
     "cublas": 1,
     "cublaslt": 1,
     "cublaslt_fp8": 2,
@@ -197,14 +198,15 @@ def test_accumulation_error_tells_accumulators_apart(dtype):
   once = np.array([np.float32(ones.sum())]).astype(dtype)  # fp32 accumulator, rounded once
   sixteen = np.array([_sum_in(ones, dtype)])
   assert sixteen[0] == big  # every 1 is lost
-  assert gpu.accumulation_error(once, exact, dtype) <= 0.5
-  assert gpu.accumulation_verdict(gpu.accumulation_error(once, exact, dtype)).startswith("fp32")
-  error = gpu.accumulation_error(sixteen, exact, dtype)
-  assert error > 4 and gpu.accumulation_verdict(error) == "16-bit accumulate"
+  once_error = _gpu_probe.accumulation_error(once, exact, dtype)
+  assert once_error <= 0.5
+  assert _gpu_probe.accumulation_verdict(once_error) == "fp32 accumulate, one rounding"
+  error = _gpu_probe.accumulation_error(sixteen, exact, dtype)
+  assert error > 4 and _gpu_probe.accumulation_verdict(error) == "16-bit accumulate"
   # Two fp32 halves each rounded to 16 bits, then added and rounded: within a few epsilons.
   halves = [np.float32(h.sum()).astype(dtype) for h in np.split(ones, 2)]
   split = np.array([dtype(np.float64(halves[0]) + np.float64(halves[1]))])
-  assert gpu.accumulation_error(split, exact, dtype) <= 4
+  assert _gpu_probe.accumulation_error(split, exact, dtype) <= 4
 
 
 def _stand_in(diagnose):

@@ -83,14 +83,17 @@ def test_policy_is_a_frozen_dataclass_like_jmp():
 
 
 def test_loss_scale_attribute_and_adjust_on_all_kinds():
-  for scale in (
-    jmp.NoOpLossScale(),
-    jmp.StaticLossScale(jnp.float32(4.0)),
-    jmp.DynamicLossScale(jnp.float32(4.0)),
+  for scale, value in (
+    (jmp.NoOpLossScale(), 1.0),
+    (jmp.StaticLossScale(jnp.float32(4.0)), 4.0),
+    (jmp.DynamicLossScale(jnp.float32(4.0)), 4.0),
   ):
-    assert float(scale.loss_scale) in (1.0, 4.0)
-    assert isinstance(scale.adjust(jnp.array(True)), type(scale))
-    assert isinstance(scale, jmp.LossScale)
+    assert isinstance(scale, jmp.LossScale) and float(scale.loss_scale) == value
+    # A finite step keeps the scale (a dynamic one grows only after `period` steps).
+    adjusted = scale.adjust(jnp.array(True))
+    assert type(adjusted) is type(scale) and float(adjusted.loss_scale) == value
+  dynamic = jmp.DynamicLossScale(jnp.float32(4.0)).adjust(jnp.array(True))
+  assert int(dynamic.counter) == 1
 
 
 # --- jmp's README, run as written (`import jmp_lite as jmp`) -------------------------------------

@@ -34,7 +34,8 @@ def reference(scale, pattern, period, factor, lo, hi=math.inf, hysteresis=1, dty
       counter += 1
       if counter == period:
         counter = 0
-        grown = float(np.asarray(scale * factor, dtype))
+        with np.errstate(over="ignore"):  # growth past the dtype's max: inf, refused below
+          grown = float(np.asarray(scale * factor, dtype))
         if math.isfinite(grown) and grown <= hi:
           scale = grown
     else:
@@ -258,6 +259,8 @@ def test_dynamic_matches_reference_and_stays_in_bounds(
 def test_fp16_scale_never_overflows(pattern):
   scale = jl.DynamicLossScale(jnp.float16(2.0**13), period=1)
   _, trajectory = run(scale, pattern, use_jit=True)
+  # 2^15 * 2 is inf in fp16: the reference's growth check, in fp16, refuses it too.
+  assert trajectory == reference(2.0**13, pattern, 1, 2, 1.0, dtype=np.float16)
   assert all(1 <= s <= 2.0**15 for s, _ in trajectory)
 
 
@@ -553,3 +556,36 @@ def test_a_kind_written_by_a_user_plugs_into_loss_scaling():
   assert float(jl.get_loss_scale(state).loss_scale) == 4.0
   with pytest.raises(TypeError, match=r"jmp_lite\.LossScale"):
     jl.loss_scaling(optax.sgd(1.0), object())
+
+
+def test_uniform_scale_value_reads_every_kind_of_scale_the_same_way():
+  from jmp_lite._loss_scale import uniform_scale_value
+
+  read = lambda s: uniform_scale_value(s, instead="Do this instead.")
+  for scale, expected in [
+    (jl.StaticLossScale(8.0), 8.0),
+    (jl.DynamicLossScale(jnp.float16(1024)), 1024.0),
+    (jl.NoOpLossScale(), 1.0),
+    (4, 4.0),
+    (np.float64(0.5), 0.5),
+    (jnp.bfloat16(2.0**20), 2.0**20),
+  ]:
+    value = read(scale)
+    assert value.dtype == jnp.float32 and value.shape == () and float(value) == expected
+  # Traced values are converted, not checked.
+  assert jax.jit(read)(jnp.float32(-1)).dtype == jnp.float32
+  assert float(jax.jit(lambda s: read(s))(jl.DynamicLossScale(jnp.float32(64)))) == 64.0
+  with pytest.raises(TypeError, match=r"gives each stage its own scale.* Do this instead\.$"):
+    read(jl.LayerwiseLossScale([0, 1]))
+  for bad, match in [
+    (True, "got bool"),
+    ("2.0", "got str"),
+    (None, "got NoneType"),
+    (jnp.ones(2), r"scalar, got shape \(2,\)"),
+    (np.complex64(1), "real number, got dtype complex64"),
+  ]:
+    with pytest.raises(TypeError, match=match):
+      read(bad)
+  for bad in (0.0, -2.0, np.inf, np.nan):
+    with pytest.raises(ValueError, match="positive and finite"):
+      read(bad)

@@ -6,15 +6,20 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 import jmp_lite as jl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_public_api_is_exported():
-  assert sorted(jl.__all__) == sorted(set(jl.__all__))
+def test_public_api_is_exported_once_and_defined_here():
+  assert len(jl.__all__) == len(set(jl.__all__))
   for name in jl.__all__:
-    assert getattr(jl, name) is not None, name
+    obj = getattr(jl, name)
+    if callable(obj):
+      assert obj.__module__.startswith("jmp_lite."), (name, obj.__module__)
+      assert obj.__doc__ and obj.__doc__.strip(), f"{name} has no docstring"
   assert re.fullmatch(r"\d+\.\d+\.\d+([a-z]+\d+)?", jl.__version__)
   assert (ROOT / "jmp_lite" / "py.typed").exists()
 
@@ -72,3 +77,30 @@ def test_star_import_keeps_the_users_flax():
   exec("import flax\nfrom jmp_lite import *", user_module.__dict__)
   assert user_module.flax is flax and user_module.flax.linen.Dense is flax.linen.Dense
   assert user_module.get_policy is jl.get_policy
+
+
+def test_moved_names_keep_working_at_their_old_place():
+  for name, namespace in jl._MOVED.items():
+    assert getattr(jl, name) is getattr(getattr(jl, namespace), name), name
+    assert name in getattr(jl, namespace).__all__, name
+    assert name not in jl.__all__ and name in dir(jl)
+  assert jl.fp8.Fp8Config is jl.Fp8Config and jl.diagnostics.every_n_steps is jl.every_n_steps
+  with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+    jl.not_a_name  # noqa: B018
+
+
+def test_old_module_paths_are_aliases_of_the_private_modules():
+  import jmp_lite._policy
+  import jmp_lite.dtypes
+  import jmp_lite.flax._linen
+  import jmp_lite.flax.linen
+  import jmp_lite.loss_scale
+  import jmp_lite.policy
+  import jmp_lite.transform
+
+  assert jmp_lite.policy.get_policy is jmp_lite._policy.get_policy is jl.get_policy
+  assert jmp_lite.loss_scale.DynamicLossScale is jl.DynamicLossScale
+  assert jmp_lite.transform.loss_scaling is jl.loss_scaling
+  assert jmp_lite.dtypes.FORMATS is jl.FORMATS
+  assert jmp_lite.flax.linen.policy_apply is jmp_lite.flax._linen.policy_apply
+  assert jl.transform.loss_scaling is jl.loss_scaling and jl.policy.Policy is jl.Policy

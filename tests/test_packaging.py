@@ -21,6 +21,7 @@ import tomllib
 import zipfile
 
 import pytest
+from packaging.requirements import Requirement
 
 import jmp_lite
 
@@ -144,7 +145,11 @@ def test_wheel_contents_and_metadata(dist):
   assert metadata["Version"] == jmp_lite.__version__
   assert metadata["License-Expression"] == "Apache-2.0"
   assert metadata["Requires-Python"] == ">=3.11"
-  assert any(r.startswith("jax>=0.10") for r in metadata.get_all("Requires-Dist"))
+  # The runtime dependencies and the extras are pyproject.toml's.
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  runtime = [str(Requirement(r)) for r in metadata.get_all("Requires-Dist") if ";" not in r]
+  assert runtime == [str(Requirement(r)) for r in project["dependencies"]]
+  assert set(metadata.get_all("Provides-Extra")) == set(project["optional-dependencies"])
 
 
 def test_sdist_contents(dist):

@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 import jmp_lite as jl
 
 F32, F16, BF16 = np.dtype("float32"), np.dtype("float16"), np.dtype(jnp.bfloat16)
+E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 HALF = jl.half_dtype()
 
 
@@ -47,29 +48,31 @@ def test_get_policy(text, expected):
   assert jl.get_policy(str(policy)) == policy
 
 
-@pytest.mark.parametrize(
-  "text, error, match",
-  [
-    ("", ValueError, "Empty"),
-    ("   ", ValueError, "Empty"),
-    ("x=f32", ValueError, "Unknown key 'x'"),
-    ("param=f32", ValueError, "Unknown key 'param'"),
-    ("p=f32,p=f16", ValueError, "'params' given twice"),
-    ("params=f32,p=bf16", ValueError, "'params' given twice"),
-    ("p=", ValueError, "Malformed part 'p='"),
-    ("=f32", ValueError, "Malformed"),
-    ("p=f32,,c=bf16", ValueError, "Malformed"),
-    ("p=f32,c", ValueError, "Malformed part 'c'"),
-    ("p=f32,", ValueError, "Malformed"),
-    ("c=float", ValueError, "Unknown dtype name 'float'"),
-    ("bogus", ValueError, "Unknown dtype name 'bogus'"),
-    ("c=int8", TypeError, "'int8' is not a floating-point dtype"),
-    ("p=bool", TypeError, "not a floating-point"),
-    ("e4m3", ValueError, "fp8 is accepted for the compute dtype only"),
-    ("p=f8e4m3,c=f16", ValueError, "param_dtype=float8_e4m3fn"),
-    ("c=f8e5m2,o=f8e5m2", ValueError, "output_dtype=float8_e5m2"),
-  ],
-)
+# Bad spellings, and what get_policy (and get_fp8_policy, which reads the same grammar) raise.
+GRAMMAR_ERRORS = [
+  ("", ValueError, "Empty"),
+  ("   ", ValueError, "Empty"),
+  ("x=f32", ValueError, "Unknown key 'x'"),
+  ("param=f32", ValueError, "Unknown key 'param'"),
+  ("p=f32,p=f16", ValueError, "'params' given twice"),
+  ("params=f32,p=bf16", ValueError, "'params' given twice"),
+  ("p=", ValueError, "Malformed part 'p='"),
+  ("=f32", ValueError, "Malformed"),
+  ("p=f32,,c=bf16", ValueError, "Malformed"),
+  ("p=f32,c", ValueError, "Malformed part 'c'"),
+  ("p=f32,", ValueError, "Malformed"),
+  ("c=float", ValueError, "Unknown dtype name 'float'"),
+  ("bogus", ValueError, "Unknown dtype name 'bogus'"),
+  ("c=int8", TypeError, "'int8' is not a floating-point dtype"),
+  ("p=bool", TypeError, "not a floating-point"),
+  ("e4m3", ValueError, "fp8 is accepted for the compute dtype only"),
+  ("p=f8e4m3,c=f16", ValueError, "param_dtype=float8_e4m3fn"),
+  ("c=f8e5m2,o=f8e5m2", ValueError, "output_dtype=float8_e5m2"),
+  ("half,full", ValueError, "Malformed part 'half'"),
+]
+
+
+@pytest.mark.parametrize("text, error, match", GRAMMAR_ERRORS)
 def test_get_policy_errors(text, error, match):
   with pytest.raises(error, match=match):
     jl.get_policy(text)
@@ -260,3 +263,104 @@ def test_str_round_trips(p, c, o, order, long_keys):
   parts = [f"{names[k] if long_keys else k} = {values[k]}" for k in order if values[k]]
   policy = jl.get_policy(" , ".join(parts))
   assert jl.get_policy(str(policy)) == policy
+
+
+# fp8 policies: the same grammar with an fp8= key ---------------------------------------
+
+
+@pytest.mark.parametrize(
+  "spec, policy, recipe",
+  [
+    ("p=f32,c=bf16,o=f32,fp8=hybrid", "p=f32,c=bf16,o=f32", (E4M3, E5M2)),
+    (" fp8 = E4M3 , params=float32, compute=bfloat16", "p=f32,c=bf16,o=bf16", (E4M3, E4M3)),
+    ("mixed_bfloat16,fp8=e5m2", "mixed_bfloat16", (E5M2, E5M2)),
+    ("fp8=hybrid", "full", (E4M3, E5M2)),
+    ("p=f32,c=bf16,fp8=f8e5m2/float8_e4m3fn", "p=f32,c=bf16", (E5M2, E4M3)),
+    ("p=f32,c=f8e4m3", "full", (E4M3, E5M2)),  # the fp8 compute dtype spelling
+    ("p=bf16,c=e5m2,o=f32", "p=bf16,c=bf16,o=f32", (E5M2, E5M2)),
+    ("p=f32,c=bf16,o=f32,fp8=none", "p=f32,c=bf16,o=f32", None),
+    ("half", "half", None),
+  ],
+)
+def test_get_fp8_policy(spec, policy, recipe):
+  got = jl.fp8.get_fp8_policy(spec)
+  assert got.policy == jl.get_policy(policy)
+  if recipe is None:
+    assert got.config is None
+  else:
+    assert (got.config.fwd_dtype, got.config.bwd_dtype) == recipe
+  assert jl.fp8.get_fp8_policy(str(got)) == got
+  assert jl.fp8.get_fp8_policy(got) is got
+  assert jl.fp8.get_fp8_policy(jl.get_policy(policy)).config is None
+
+
+def test_get_fp8_policy_config_options():
+  got = jl.fp8.get_fp8_policy("p=f32,c=bf16,fp8=hybrid", amax_history_length=16, margin=1)
+  assert got.config == jl.fp8.Fp8Config(amax_history_length=16, margin=1)
+  assert str(got) == "p=f32,c=bf16,o=bf16,fp8=hybrid"
+  assert jl.fp8.get_fp8_policy(got, margin=2).config.margin == 2.0
+
+
+@pytest.mark.parametrize(
+  "spec, kwargs, error, match",
+  [
+    ("p=f32,fp8=fast", {}, ValueError, "Unknown fp8 recipe 'fast'"),
+    ("fp8=hybrid,fp8=e4m3", {}, ValueError, "'fp8' given twice"),
+    ("c=f8e4m3,fp8=hybrid", {}, ValueError, "both an fp8 compute dtype and an fp8= recipe"),
+    ("fp8=bf16/e5m2", {}, ValueError, "forward format must be an fp8 format"),
+    ("p=f32,c=bf16", {"margin": 1}, ValueError, r"fp8 options \['margin'\]"),
+    ("fp8=hybrid", {"amax_history_length": 0}, ValueError, "got 0"),
+    ("p=f32,x=bf16,fp8=hybrid", {}, ValueError, "Unknown key 'x'"),
+    (3, {}, TypeError, "get_fp8_policy expects a string"),
+  ],
+)
+def test_get_fp8_policy_errors(spec, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jl.fp8.get_fp8_policy(spec, **kwargs)
+
+
+def test_fp8_policy_rejects_fp8_compute_policy():
+  with pytest.raises(ValueError, match="compute dtype float8_e4m3fn"):
+    jl.fp8.Fp8Policy(jl.get_policy("p=f32,c=f8e4m3"), jl.fp8.Fp8Config())
+  with pytest.raises(TypeError, match="jmp_lite Policy"):
+    jl.fp8.Fp8Policy("p=f32", None)
+
+
+@pytest.mark.parametrize("text, error, match", GRAMMAR_ERRORS)
+def test_get_fp8_policy_reads_the_same_grammar(text, error, match):
+  """One parser: what get_policy rejects, get_fp8_policy rejects with the same error."""
+  with pytest.raises(error, match=match):
+    jl.fp8.get_fp8_policy(text)
+  with pytest.raises(error, match=match):
+    jl.fp8.get_fp8_policy(text + ",fp8=hybrid" if text.strip() else "")
+
+
+@pytest.mark.parametrize(
+  "text, match",
+  [
+    ("p=f32,fp8=hybrid", r"Unknown key 'fp8' .*\(fp8= is read by get_fp8_policy\)"),
+    ("mixed_bfloat16,fp8=e5m2", "Unknown key 'fp8'"),
+    ("fp8=hybrid", "Unknown key 'fp8'"),
+  ],
+)
+def test_get_policy_points_fp8_keys_to_get_fp8_policy(text, match):
+  with pytest.raises(ValueError, match=match):
+    jl.get_policy(text)
+  assert jl.fp8.get_fp8_policy(text).config is not None
+
+
+@pytest.mark.parametrize(
+  "spec, match",
+  [
+    ("fp8=", "Malformed part 'fp8='"),
+    ("p=f32,,fp8=hybrid", "Malformed part ''"),
+    ("p=f32,fp8=hybrid,", "Malformed part ''"),
+    ("half,p=f32,fp8=hybrid", "Malformed part 'half'"),
+    (" FP8 = Hybrid , fp8=none", "'fp8' given twice"),
+    ("p=f32,x=bf16,fp8=hybrid", r"expected params/p, compute/c, output/o or fp8\."),
+  ],
+)
+def test_get_fp8_policy_errors_name_the_part(spec, match):
+  with pytest.raises(ValueError, match=match) as info:
+    jl.fp8.get_fp8_policy(spec)
+  assert f"in policy {spec!r}" in str(info.value)

@@ -2,7 +2,8 @@
 
 Each runs the tool in a subprocess from the repository root, with the configuration in
 ``pyproject.toml`` (ruff, mypy) and ``docs/conf.py`` (Sphinx). The tools come with the ``test``
-extra; without them a check is skipped, except under CI (``CI`` set), where it fails.
+extra; without them a check is skipped, except under CI (``CI`` set), where it fails. The test
+tiers (``tests/conftest.py``) are checked here too.
 """
 
 import ast
@@ -10,10 +11,12 @@ import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
 
+import conftest
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -118,3 +121,37 @@ def test_docs_build(tmp_path):
     _require(module)
   _run("sphinx", "-W", "--keep-going", "-q", "-b", "html", "docs", str(tmp_path / "html"))
   assert (tmp_path / "html" / "api" / "jmp_lite.html").exists()
+
+
+# A test file runs a script of benchmarks/ or examples/ when it imports one at module level or
+# loads one by path.
+_RUNS_A_SCRIPT = re.compile(
+  r"^(?:from|import) (?:benchmarks|examples)\b|[\"']benchmarks[\"'] /", re.M
+)
+
+
+def test_tier_table_lists_existing_files_once():
+  listed = [path for paths in conftest.TIERS.values() for path in paths]
+  assert sorted(p for p in listed if not (ROOT / "tests" / p).is_file()) == []
+  assert sorted(p for p in set(listed) if listed.count(p) > 1) == []
+  assert conftest.tier_of(ROOT / "tests" / "test_packaging.py") == "release"
+  assert conftest.tier_of(ROOT / "tests" / "test_dtypes.py") == "unit"  # not listed
+
+
+def test_tests_that_run_scripts_are_in_the_benchmark_tier():
+  tests = ROOT / "tests"
+  runs_scripts = {
+    path.relative_to(tests).as_posix()
+    for path in tests.rglob("test_*.py")
+    if _RUNS_A_SCRIPT.search(path.read_text())
+  }
+  assert "test_examples.py" in runs_scripts and "flax/test_flax_memory_benchmark.py" in runs_scripts
+  assert sorted(runs_scripts - set(conftest.TIERS["benchmark"])) == []
+
+
+def test_tier_markers_are_registered():
+  """``pytest -m unit`` selects by a marker ``--strict-markers`` knows; each tier has one."""
+  pytest_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+  markers = {line.split(":")[0] for line in pytest_config["ini_options"]["markers"]}
+  assert markers == {"unit", *conftest.TIERS}
+  assert "--strict-markers" in pytest_config["ini_options"]["addopts"].split()

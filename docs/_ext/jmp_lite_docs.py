@@ -1,7 +1,7 @@
 """Sphinx directives that generate the parts of the docs that must not drift from the code.
 
 * ``jmp-lite-formats``: the table of floating-point formats, from :data:`jmp_lite.FORMATS`.
-* ``jmp-lite-api``: autodoc entries for every name in a module's ``__all__``.
+* ``jmp-lite-api``: autodoc entries for the names of a module's ``__all__`` it lists.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import inspect
 import math
 import pkgutil
 import re
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from docutils import nodes
-from docutils.parsers.rst import directives
 from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 
@@ -96,19 +95,19 @@ class FormatsDirective(SphinxDirective):
     return _parse_rst(self, formats_table(list(self.arguments)), "jmp_lite.FORMATS")
 
 
-def api_entries(module_name: str, skip: set[str]) -> list[str]:
-  """autodoc directives for the names in ``module.__all__`` (submodules excluded)."""
+def api_entries(module_name: str, names: list[str]) -> list[str]:
+  """autodoc directives for ``names`` of the module (submodules excluded)."""
   module = importlib.import_module(module_name)
   lines = []
-  for name in module.__all__:
-    if name in skip:
-      continue
+  for name in names:
     obj = getattr(module, name)
     target = f"{module_name}.{name}"
     if inspect.ismodule(obj):
       continue
     if inspect.isclass(obj):
       lines += [f".. autoclass:: {target}", "   :members:"]
+      if any(base.__module__.startswith("jmp_lite.") for base in obj.__mro__[1:]):
+        lines += ["   :inherited-members:"]  # e.g. scale/unscale from the shared base
       if _is_namedtuple(obj) or obj.__doc__ is None:
         lines += ["   :undoc-members:"]
     elif callable(obj) and not isinstance(obj, (dict, tuple, list)):
@@ -149,18 +148,24 @@ def _is_namedtuple(cls: Any) -> bool:
 
 
 class ApiDirective(SphinxDirective):
-  """``jmp-lite-api module``: autodoc entries for everything in ``module.__all__``.
+  """``jmp-lite-api module``: autodoc entries for the names listed in its content.
 
-  ``:skip:`` lists names documented elsewhere (comma separated).
+  The names (whitespace separated) must be in ``module.__all__``; a page groups them by
+  concept with one directive per group. ``tests/test_api_reference.py`` checks that the
+  pages list every name of every public namespace exactly once.
   """
 
   required_arguments = 1
-  option_spec: ClassVar[dict[str, Any]] = {"skip": directives.unchanged}
+  has_content = True
 
   def run(self) -> list[nodes.Node]:
-    skip = {s.strip() for s in self.options.get("skip", "").split(",") if s.strip()}
-    lines = api_entries(self.arguments[0], skip)
-    return _parse_rst(self, lines, f"{self.arguments[0]}.__all__")
+    module_name = self.arguments[0]
+    names = " ".join(self.content).split()
+    exported = set(importlib.import_module(module_name).__all__)
+    unknown = [name for name in names if name not in exported]
+    if unknown:
+      raise self.error(f"not in {module_name}.__all__: {', '.join(unknown)}")
+    return _parse_rst(self, api_entries(module_name, names), f"{module_name}.__all__")
 
 
 def _drop_namedtuple_field_docs(app, what, name, obj, options, lines: list[str]) -> None:

@@ -21,11 +21,11 @@
 
 from jmp_lite.flax._accumulate import conv_general_dilated, dot_general, einsum
 from jmp_lite.flax._attention import dot_product_attention, softmax
+from jmp_lite.flax._kernel_hooks import FLAX_HOOKS
 from jmp_lite.flax._layerwise import LayerwiseStages, layerwise_stages
 from jmp_lite.flax._linen import policy_apply, policy_init
 from jmp_lite.flax._module_policy import (
   DEFAULT_OVERRIDES,
-  FLAX_HOOKS,
   FP32,
   FP32_RECOMPUTED,
   ExplicitDtypeWarning,
@@ -37,24 +37,29 @@ from jmp_lite.flax._optimizer import Optimizer
 from jmp_lite.flax._train_state import TrainState
 
 __all__ = (
-  "DEFAULT_OVERRIDES",
-  "FLAX_HOOKS",
-  "FP32",
-  "FP32_RECOMPUTED",
-  "ExplicitDtypeWarning",
-  "LayerwiseStages",
-  "ModulePolicies",
-  "ModulePolicy",
-  "Optimizer",
-  "PolicyModule",
-  "TrainState",
-  "conv_general_dilated",
-  "dot_general",
-  "dot_product_attention",
-  "einsum",
-  "layerwise_stages",
+  # Running a model under a policy
   "policy_apply",
   "policy_init",
   "policy_view",
+  "PolicyModule",
+  # Per-module precision
+  "ModulePolicies",
+  "ModulePolicy",
+  "FP32",
+  "FP32_RECOMPUTED",
+  "DEFAULT_OVERRIDES",
+  "FLAX_HOOKS",
+  "ExplicitDtypeWarning",
+  # 16-bit kernels
+  "dot_general",
+  "conv_general_dilated",
+  "einsum",
+  "dot_product_attention",
   "softmax",
+  # Training with loss scaling
+  "TrainState",
+  "Optimizer",
+  # Layer-wise loss scaling
+  "LayerwiseStages",
+  "layerwise_stages",
 )

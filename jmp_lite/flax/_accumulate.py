@@ -23,7 +23,9 @@ What each backend does with a ``dot_general`` of two 16-bit operands and a
   carry no preset). Not measured here.
 * **XLA:CPU** accumulates 16-bit dots in fp32 whatever the program says (it
   computes them in fp32), but rejects the presets for fp16 and for dots with a
-  single output element, so nothing is declared there.
+  single output element, so nothing is declared there. It cannot run every
+  16-bit x 16-bit -> fp32 matmul, so the wide gradients below take fp32
+  operands there (``_bind_wide`` says why).
 * Convolutions: cuDNN, the TPU and XLA:CPU accumulate 16-bit convolutions in
   fp32 (fp16 on cuDNN: fp32 partial sums rounded more than once); JAX drops an
   algorithm preset on ``conv_general_dilated``, so none is declared.
@@ -152,8 +154,9 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
   """Evaluates ``closed`` with every 16-bit product leaving its matmul in ``wide``.
 
   Each ``dot_general``/``conv_general_dilated`` with a 16-bit result is bound
-  with ``preferred_element_type=wide``; every other equation is bound as it
-  is. Binding (rather than calling XLA) keeps it traceable under jit/vmap.
+  with ``preferred_element_type=wide`` (by :func:`_bind_wide`); every other
+  equation is bound as it is. Binding (rather than calling XLA) keeps it
+  traceable under jit/vmap.
   """
   env: dict[Any, Any] = {}
 
@@ -167,14 +170,39 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
     params = eqn.primitive.get_bind_params(eqn.params)
     products = (lax.dot_general_p, lax.conv_general_dilated_p)
     if eqn.primitive in products and is_16bit_float(eqn.outvars[0].aval.dtype):
-      params = dict(params, preferred_element_type=wide)
-    outs = eqn.primitive.bind(*(read(v) for v in eqn.invars), **params)
+      outs = _bind_wide(eqn.primitive, params, wide, *(read(v) for v in eqn.invars))
+    else:
+      outs = eqn.primitive.bind(*(read(v) for v in eqn.invars), **params)
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for var, val in zip(eqn.outvars, outs, strict=True):
       if not isinstance(var, jex_core.DropVar):
         env[var] = val
   return [read(v) for v in jaxpr.outvars]
+
+
+def _bind_wide(primitive: Any, params: dict, wide: np.dtype, lhs: Any, rhs: Any) -> jax.Array:
+  """Binds a 16-bit product with a ``wide`` result, in a form every backend runs.
+
+  XLA:CPU keeps a bf16 x bf16 -> fp32 matmul on bf16 operands when its dot
+  library (YNNPACK) takes it, and only later folds a transpose of the result
+  into the dot (operands swapped: the lhs contracted on dimension 0, the rhs
+  on dimension 1). That happens to the kernel gradient of a layer applied to
+  [batch, length, features] inputs, which JAX computes transposed. The
+  library refuses that form and XLA:CPU's generic dot has no such kernel:
+  the program compiles, then fails ("Unsupported element type for DotThunk:
+  BF16 x BF16 = F32"). So on CPU the operands are widened first, exactly:
+  the same products, summed in fp32 (as XLA:CPU computes 16-bit matmuls
+  anyway). Other platforms keep the 16-bit operands; the branch is picked
+  when the program is lowered, so theirs holds no trace of the CPU one.
+  """
+  params = dict(params, preferred_element_type=wide)
+  narrow = lambda a, b: primitive.bind(a, b, **params)
+  # precision=None: an fp32 CPU product has nothing to declare (a TPU preset names 16-bit operands).
+  widened = lambda a, b: primitive.bind(
+    a.astype(wide), b.astype(wide), **dict(params, precision=None)
+  )
+  return lax.platform_dependent(lhs, rhs, cpu=widened, default=narrow)
 
 
 def _transposed(op: Callable[..., jax.Array], operands: tuple, side: int, cotangent, wide):
@@ -249,8 +277,12 @@ def dot_general(
   :func:`jax.lax.dot_general` unchanged.
 
   Args:
-    lhs, rhs, dimension_numbers, precision, preferred_element_type: as for
-      :func:`jax.lax.dot_general`.
+    lhs: the left operand, as for :func:`jax.lax.dot_general`.
+    rhs: the right operand (a Flax layer's kernel).
+    dimension_numbers: as for :func:`jax.lax.dot_general`.
+    precision: as for :func:`jax.lax.dot_general`; ``None`` states fp32
+      accumulation where that is declared.
+    preferred_element_type: as for :func:`jax.lax.dot_general`.
     output_dtype: ``None`` (a 16-bit result) or ``float32``: the result leaves
       the matmul in fp32, unrounded.
     rhs_grad_dtype: ``None`` or ``float32``: the gradient of ``rhs`` leaves its
@@ -279,11 +311,24 @@ def conv_general_dilated(
 ) -> jax.Array:
   """:func:`jax.lax.conv_general_dilated` with :func:`dot_general`'s options.
 
-  Takes the same arguments; 16-bit convolutions accumulate in fp32 on every
-  backend without a declaration (JAX drops algorithm presets on
-  convolutions), so without the options this is JAX's own convolution.
-  ``output_dtype`` and ``rhs_grad_dtype`` (the kernel gradient) are as for
-  :func:`dot_general`.
+  16-bit convolutions accumulate in fp32 on every backend without a
+  declaration (JAX drops algorithm presets on convolutions), so without the
+  options this is JAX's own convolution.
+
+  Args:
+    lhs: the input, as for :func:`jax.lax.conv_general_dilated`.
+    rhs: the kernel.
+    *args: :func:`jax.lax.conv_general_dilated`'s further positional
+      arguments (``window_strides``, ``padding``...).
+    preferred_element_type: as for :func:`jax.lax.conv_general_dilated`.
+    output_dtype: ``None`` (a 16-bit result) or ``float32``: the result leaves
+      the convolution in fp32, unrounded.
+    rhs_grad_dtype: ``None`` or ``float32``: the kernel gradient leaves its
+      convolution in fp32 and is rounded to ``rhs``'s dtype afterwards.
+    **kwargs: passed to :func:`jax.lax.conv_general_dilated`.
+
+  Returns:
+    The convolution, in the operands' dtype (or ``output_dtype``).
   """
   dtype = _narrow(lhs, rhs, preferred_element_type)
   options = _options(output_dtype, None, rhs_grad_dtype)
@@ -308,11 +353,22 @@ def einsum(
 ) -> jax.Array:
   """:func:`jax.numpy.einsum` whose contractions go through :func:`dot_general`.
 
-  ``output_dtype`` is as for :func:`dot_general`; ``rhs_grad_dtype`` widens
-  the gradient of the last operand (a layer's kernel, as in
-  ``einsum_op(subscripts, inputs, kernel)``) wherever :func:`jax.numpy.einsum`
-  puts it in its contraction, and both gradients of a contraction where it
-  cannot be told apart. The other arguments are :func:`jax.numpy.einsum`'s.
+  Args:
+    subscripts: the einsum specification, as for :func:`jax.numpy.einsum`.
+    *operands: the arrays; the last is a layer's kernel, as in
+      ``einsum_op(subscripts, inputs, kernel)``.
+    output_dtype: as for :func:`dot_general`.
+    rhs_grad_dtype: ``None`` or ``float32``: widens the gradient of the last
+      operand wherever :func:`jax.numpy.einsum` puts it in its contraction,
+      and both gradients of a contraction where it cannot be told apart.
+    **kwargs: passed to :func:`jax.numpy.einsum` (``precision``,
+      ``preferred_element_type``...).
+
+  Returns:
+    The contraction, in the operands' dtype (or ``output_dtype``).
+
+  Raises:
+    TypeError: if ``_dot_general`` is passed (this function sets it).
   """
   if "_dot_general" in kwargs:
     raise TypeError("einsum already contracts with jmp_lite's dot_general; drop _dot_general.")

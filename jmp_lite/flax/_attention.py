@@ -1,4 +1,4 @@
-"""Attention whose softmax runs in fp32 and keeps only 16-bit residuals.
+r"""Attention whose softmax runs in fp32 and keeps only 16-bit residuals.
 
 The softmax is the precision-sensitive step of attention: ``exp`` of logits
 near bf16's coarse spacing (``2^-7`` relative) and a sum over the key length
@@ -6,17 +6,17 @@ that bf16 would round at every step. :func:`softmax` therefore computes
 
 .. math::
 
-  p = \\mathrm{round}_{16}\\big(\\mathrm{softmax}(\\mathrm{fp32}(z))\\big)
+  p = \mathrm{round}_{16}\big(\mathrm{softmax}(\mathrm{fp32}(z))\big)
 
 in fp32 and rounds only its result. Its backward pass,
-:math:`\\bar z = p \\odot (\\bar p - \\langle \\bar p, p \\rangle)`, is also
+:math:`\bar z = p \odot (\bar p - \langle \bar p, p \rangle)`, is also
 computed in fp32, from the 16-bit ``p``: storing ``p`` in fp32 would make the
 attention probabilities, the largest activation of a transformer, cost as
 much memory as in an fp32 model (JAX's ``softmax`` keeps its fp32 output as
 the residual, and ``p`` is saved again in 16 bits for the ``p @ v`` matmul).
 
 A mask ``m`` (``where=``) is applied inside the softmax, as Flax's attention
-does: :math:`p = \\mathrm{softmax}(\\mathrm{where}(m, z, \\mathrm{finfo.min}))`.
+does: :math:`p = \mathrm{softmax}(\mathrm{where}(m, z, \mathrm{finfo.min}))`.
 Masked-out entries get probability 0; a row with every entry masked is uniform
 (``1/n`` to one rounding, Flax's ``dot_product_attention`` convention; :func:`jax.nn.softmax`
 with ``where=`` returns 0 there instead) and, since it does not depend on the
@@ -172,47 +172,110 @@ def dot_product_attention(
   promote_dtype: Callable[..., Any] | None = None,
   is_causal: bool = False,
 ) -> jax.Array:
-  """Scaled dot-product attention with an fp32 softmax and 16-bit matmuls.
+  r"""Scaled dot-product attention with an fp32 softmax and 16-bit matmuls.
 
   .. math::
 
-    \\mathrm{out} = \\mathrm{softmax}_{32}\\Big(\\frac{q k^\\top}{\\sqrt d} + b,
-    \\ \\mathrm{mask}\\Big)\\, v
+    \mathrm{out} = \mathrm{softmax}_{32}\Big(\frac{q k^\top}{\sqrt d} + b,
+    \ \mathrm{mask}\Big)\, v
 
   Shapes follow Flax: ``query`` ``[batch..., q_len, heads, depth]``, ``key``
   and ``value`` ``[batch..., kv_len, kv_heads, depth]`` (``kv_heads`` may
   divide ``heads``: grouped-query attention), ``bias``/``mask`` broadcastable
-  to ``[batch..., heads, q_len, kv_len]``. The result has ``query``'s shape and
-  the (promoted) input dtype.
+  to ``[batch..., heads, q_len, kv_len]``.
 
   Args:
-    query, key, value, bias, mask: as in :func:`flax.linen.dot_product_attention`
-      and :func:`flax.nnx.dot_product_attention`, as are ``broadcast_dropout``,
-      ``dropout_rng``, ``dropout_rate``, ``deterministic``, ``dtype``,
-      ``precision``, ``module`` and ``is_causal``.
+    query: the queries.
+    key: the keys.
+    value: the values.
+    bias: added to the attention logits.
+    mask: a boolean mask, ``False`` where attention is not allowed.
+    broadcast_dropout: use one dropout mask for the batch and head dimensions.
+    dropout_rng: the key for dropout.
+    dropout_rate: the probability of dropping an attention weight.
+    deterministic: no dropout.
+    dtype: the computation dtype (default: the promoted input dtype).
+    precision: the matmuls' precision.
+    module: the attention module, to ``sow`` the attention weights into
+      (``"attention_weights"``), as Flax does.
     force_fp32_for_softmax: ignored: the softmax is always computed in fp32
       (linen's attention module passes its own default, ``False``; swapping
       this function in is how a policy asks for fp32).
     einsum_dot_general: a ``dot_general`` for both matmuls (default
       :func:`jmp_lite.flax.dot_general`).
-    qk_attn_weights_einsum, attn_weights_value_einsum: einsums for the two
-      matmuls (e.g. quantized ones); they replace the default.
+    qk_attn_weights_einsum: an einsum for the query-key matmul (e.g. a
+      quantized one); given together with ``attn_weights_value_einsum``, the
+      two replace the default.
+    attn_weights_value_einsum: an einsum for the weights-value matmul.
     promote_dtype: NNX's dtype promotion hook, ``promote_dtype((q, k, v),
       dtype=dtype)``; by default the three are cast to ``dtype`` or to their
       common type.
+    is_causal: also apply a causal (lower-triangular) mask.
+
+  These are the arguments of :func:`flax.linen.dot_product_attention` and
+  :func:`flax.nnx.dot_product_attention`, with their meanings.
+
+  Returns:
+    The attention output, of ``query``'s shape and the (promoted) input dtype.
+
+  Raises:
+    ValueError: for ranks or head counts that do not fit together, or only one
+      of the two einsums.
   """
   del force_fp32_for_softmax  # Flax's modules pass False by default; fp32 is the point here.
-  if (qk_attn_weights_einsum is None) != (attn_weights_value_einsum is None):
-    raise ValueError(
-      "qk_attn_weights_einsum and attn_weights_value_einsum must be given together, got "
-      f"{qk_attn_weights_einsum!r} and {attn_weights_value_einsum!r}."
-    )
+  qk_einsum, pv_einsum = _einsums(
+    precision, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum
+  )
   if promote_dtype is not None:
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
   else:
     dtype = dtype or jnp.result_type(query, key, value)
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
   dtype = query.dtype
+  heads, kv_heads = _heads(query, key, value)
+  scale = jnp.sqrt(query.shape[-1]).astype(dtype)
+  if heads == kv_heads:
+    logits = qk_einsum("...qhd,...khd->...hqk", query / scale, key)
+  else:  # grouped-query attention: view the query heads as [kv_heads, groups]
+    q = query.reshape((*query.shape[:-2], kv_heads, heads // kv_heads, query.shape[-1]))
+    logits = qk_einsum("...qhgd,...khd->...hgqk", q / scale, key)
+    logits = logits.reshape((*logits.shape[:-4], heads, *logits.shape[-2:]))
+  if bias is not None:
+    logits = logits + jnp.asarray(bias, dtype)
+  weights = softmax(logits, -1, _mask(mask, is_causal, logits.shape[-2:]))
+  if module is not None:
+    _sow_weights(module, weights)
+  if not deterministic and dropout_rate > 0.0:
+    weights = _dropout(weights, dropout_rng, dropout_rate, broadcast_dropout, dtype)
+  if heads == kv_heads:
+    return pv_einsum("...hqk,...khd->...qhd", weights, value)
+  weights = weights.reshape((*weights.shape[:-3], kv_heads, heads // kv_heads, *weights.shape[-2:]))
+  out = pv_einsum("...hgqk,...khd->...qhgd", weights, value)
+  return out.reshape((*out.shape[:-3], heads, out.shape[-1]))
+
+
+def _einsums(
+  precision: Any,
+  dot_general: Callable[..., jax.Array] | None,
+  qk_einsum: Callable[..., jax.Array] | None,
+  pv_einsum: Callable[..., jax.Array] | None,
+) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
+  """The einsums of the two attention matmuls: the user's pair, or 16-bit ones."""
+  if (qk_einsum is None) != (pv_einsum is None):
+    raise ValueError(
+      "qk_attn_weights_einsum and attn_weights_value_einsum must be given together, got "
+      f"{qk_einsum!r} and {pv_einsum!r}."
+    )
+  if qk_einsum is not None and pv_einsum is not None:
+    return qk_einsum, pv_einsum
+  einsum = functools.partial(
+    jnp.einsum, precision=precision, _dot_general=dot_general or accumulate.dot_general
+  )
+  return einsum, einsum
+
+
+def _heads(query: jax.Array, key: jax.Array, value: jax.Array) -> tuple[int, int]:
+  """The number of query heads and of key/value heads, checked against each other."""
   if query.ndim != key.ndim or key.ndim != value.ndim or query.ndim < 3:
     raise ValueError(
       "query, key and value must have the same rank >= 3 ([batch..., length, heads, depth]), "
@@ -224,47 +287,26 @@ def dot_product_attention(
       f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}, "
       f"{value.shape[-2]}), which must match."
     )
+  return heads, kv_heads
 
-  qk_einsum: Callable[..., jax.Array]
-  pv_einsum: Callable[..., jax.Array]
-  if qk_attn_weights_einsum is None or attn_weights_value_einsum is None:  # both, see above
-    dot = einsum_dot_general or accumulate.dot_general
-    qk_einsum = functools.partial(jnp.einsum, precision=precision, _dot_general=dot)
-    pv_einsum = qk_einsum
-  else:
-    qk_einsum, pv_einsum = qk_attn_weights_einsum, attn_weights_value_einsum
 
-  groups = heads // kv_heads
-  scale = jnp.sqrt(query.shape[-1]).astype(dtype)
-  if groups == 1:
-    logits = qk_einsum("...qhd,...khd->...hqk", query / scale, key)
-  else:  # grouped-query attention: view the query heads as [kv_heads, groups]
-    q = query.reshape((*query.shape[:-2], kv_heads, groups, query.shape[-1]))
-    logits = qk_einsum("...qhgd,...khd->...hgqk", q / scale, key)
-    logits = logits.reshape((*logits.shape[:-4], heads, *logits.shape[-2:]))
-  if bias is not None:
-    logits = logits + jnp.asarray(bias, dtype)
+def _mask(mask: jax.Array | None, is_causal: bool, lengths: tuple[int, ...]) -> jax.Array | None:
+  """The user's mask and the causal one combined (``None`` for neither)."""
   masks = [] if mask is None else [jnp.asarray(mask, jnp.bool_)]
   if is_causal:
-    q_len, kv_len = logits.shape[-2:]
-    masks.append(jnp.tril(jnp.ones((q_len, kv_len), jnp.bool_)))
+    masks.append(jnp.tril(jnp.ones(lengths, jnp.bool_)))
   where = None
   for m in masks:
     where = m if where is None else where & m
-  weights = softmax(logits, -1, where)
-  if module is not None:
-    _sow_weights(module, weights)
-  if not deterministic and dropout_rate > 0.0:
-    keep_prob = 1.0 - dropout_rate
-    if broadcast_dropout:
-      # One mask shared by the batch and head dimensions, as in Flax.
-      shape = (1,) * (weights.ndim - 2) + weights.shape[-2:]
-    else:
-      shape = weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)  # type: ignore[arg-type]
-    weights = weights * (keep.astype(dtype) / np.asarray(keep_prob, dtype))
-  if groups == 1:
-    return pv_einsum("...hqk,...khd->...qhd", weights, value)
-  weights = weights.reshape((*weights.shape[:-3], kv_heads, groups, *weights.shape[-2:]))
-  out = pv_einsum("...hgqk,...khd->...qhgd", weights, value)
-  return out.reshape((*out.shape[:-3], heads, out.shape[-1]))
+  return where
+
+
+def _dropout(
+  weights: jax.Array, rng: jax.Array | None, rate: float, broadcast: bool, dtype: Any
+) -> jax.Array:
+  """Flax's attention dropout: drops weights with probability ``rate``, rescales the rest."""
+  keep_prob = 1.0 - rate
+  # With broadcast, one mask shared by the batch and head dimensions, as in Flax.
+  shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast else weights.shape
+  keep = jax.random.bernoulli(rng, keep_prob, shape)  # type: ignore[arg-type]
+  return weights * (keep.astype(dtype) / np.asarray(keep_prob, dtype))

@@ -117,7 +117,14 @@ class LayerwiseStages:
   is_stage: _StagePredicate
 
   def wrap(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Returns ``apply_fn`` (``model.apply`` or a policy's apply) with boundaries."""
+    """Puts a stage boundary on the output of every stage-module call of ``apply_fn``.
+
+    Args:
+      apply_fn: ``model.apply``, or a policy's apply (``jlf.policy_apply``).
+
+    Returns:
+      ``apply_fn`` with the boundaries installed around each call.
+    """
 
     def apply_with_boundaries(*args: Any, **kwargs: Any) -> Any:
       with nn.intercept_methods(_BoundaryInterceptor(self.is_stage)):
@@ -126,7 +133,14 @@ class LayerwiseStages:
     return apply_with_boundaries
 
   def loss_scale(self, **kwargs: Any) -> LayerwiseLossScale:
-    """A :class:`~jmp_lite.LayerwiseLossScale` for these stages (kwargs passed on)."""
+    """A :class:`~jmp_lite.LayerwiseLossScale` for these stages.
+
+    Args:
+      **kwargs: the loss scale's other arguments (``update_period=...``).
+
+    Returns:
+      The loss scale, with these ``param_stages`` and ``num_stages``.
+    """
     return LayerwiseLossScale(self.param_stages, self.num_stages, **kwargs)
 
 
@@ -152,6 +166,10 @@ def layerwise_stages(
     overrides: stages for parameters (or whole modules) by ``/``-joined path,
       e.g. ``{"pos_embedding": 0}`` for a parameter the root module creates
       itself (the root spans every stage, so its own parameters need one).
+
+  Returns:
+    The stages: their parameters' assignment, and :meth:`LayerwiseStages.wrap`
+    to install the boundaries.
 
   Raises:
     ValueError: if no stage module runs, or a parameter's module runs in more

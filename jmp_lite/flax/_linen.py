@@ -37,19 +37,18 @@ import numpy as np
 from flax import nnx, traverse_util
 from flax.core import FrozenDict, meta
 
-from jmp_lite import _dtypes as dtypes
-from jmp_lite._policy import Policy
-from jmp_lite.flax._module_policy import (
+from jmp_lite._policy import Policy, cast_floating
+from jmp_lite.flax._module_call import (
   CallRecord,
-  ModulePolicies,
-  ModulePolicy,
-  Resolved,
-  cast_floating,
-  explicit_dtype,
-  nearest,
+  cast_call,
+  enclosing_entry,
   output_chain,
-  recomputed,
-  record_call,
+)
+from jmp_lite.flax._module_policy import (
+  ModulePolicies,
+  ModulePrecision,
+  as_module_policies,
+  explicit_dtype,
   warn_explicit_dtypes,
 )
 
@@ -108,7 +107,7 @@ class _Interceptor:
     # return the policy's output dtype, and a matmul among them produces it directly.
     self.wide_paths = wide_paths
     self.calls: list[CallRecord] = []  # while discovering, in exit order
-    self.stack: list[Resolved] = []  # the enclosing module calls, outermost first
+    self.stack: list[ModulePrecision] = []  # the enclosing module calls, outermost first
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
@@ -124,30 +123,29 @@ class _Interceptor:
       )
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
-    is_root = not self.stack
     path = tuple(module.path)
     is_output = path in self.wide_paths
-
-    def call(*args, **kwargs):
-      args, kwargs = cast_floating((args, kwargs), resolved.compute_dtype)
-      return next_fun(*args, **kwargs)
-
+    # The outermost call, and the chain of calls returning the model's output, return
+    # the policy's output dtype.
+    wide = not self.stack or is_output
+    # Not while discovering (nothing is differentiated), nor where variables are stored.
+    recompute = resolved.recompute and self.owners is None and not _creates_variables(module)
     updates = self.policies.attribute_updates(module, resolved, wide_output=is_output)
     self.stack.append(resolved)
     try:
       with _attributes_set(module, updates):
-        if resolved.recompute and self.owners is None and not _creates_variables(module):
-          # The cast happens inside, so the saved inputs are the narrow ones.
-          out = recomputed(call, args, kwargs)
-        else:
-          out = call(*args, **kwargs)
+        return cast_call(
+          next_fun,
+          args,
+          kwargs,
+          resolved.compute_dtype,
+          resolved.root_output_dtype if wide else resolved.output_dtype,
+          recompute=recompute,
+          record=self.calls if self.owners is not None else None,
+          path=path,
+        )
     finally:
       self.stack.pop()
-    wide = is_root or is_output
-    returned = cast_floating(out, resolved.root_output_dtype if wide else resolved.output_dtype)
-    if self.owners is not None:
-      self.calls.append(record_call(path, out, returned))
-    return returned
 
 
 def _map_params(params: Any, fn: Callable[[tuple, Any], Any]) -> Any:
@@ -186,21 +184,9 @@ def _check_module(module: Any, caller: str) -> None:
 
 
 def policy_apply(
-  module: nn.Module,
-  policy: Policy | str,
-  *,
-  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
-  use_default_overrides: bool = True,
-  fp32_accumulation: bool = True,
-  fp32_softmax: bool = True,
-  grad_reduction_dtype: dtypes.DTypeLike | None = None,
-  explicit_dtypes: str = "warn",
+  module: nn.Module, policy: ModulePolicies | Policy | str, **options: Any
 ) -> Callable[..., Any]:
   """Returns ``module.apply`` running under ``policy``.
-
-  The returned function takes exactly ``module.apply``'s arguments
-  (``variables, *args, rngs=None, method=None, mutable=False,
-  capture_intermediates=False, **kwargs``) and returns what it returns.
 
   * Parameters (the ``"params"`` collection) are cast to the compute dtype of
     the module that owns them; other collections (``batch_stats``, caches) are
@@ -214,8 +200,7 @@ def policy_apply(
     16-bit dense/conv/einsum layers run 16-bit matmuls as with Flax's
     ``dtype=`` (accumulated in fp32 by the hardware), and the layer computing
     the model's output (the logits) returns the output dtype straight from
-    its matmul (see
-    :class:`~jmp_lite.flax.ModulePolicies`).
+    its matmul (see :class:`~jmp_lite.flax.ModulePolicies`).
   * If ``"params"`` is mutable, new parameters come back in the param dtype
     and existing ones unchanged.
 
@@ -223,22 +208,34 @@ def policy_apply(
   with lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) inside the
   model. Forward-mode differentiation (``jax.jvp``) does not go through the
   fp32 softmax, the fp32 output layer or ``grad_reduction_dtype`` (reverse-mode
-  rules); pass ``fp32_accumulation=False, fp32_softmax=False`` for it.
+  rules); use ``fp32_accumulation=False, fp32_softmax=False`` for it.
 
   Args:
     module: an unbound linen module, written with default dtypes (a module
       built with another ``dtype=`` than the policy gives it keeps that dtype
       and is named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning`, once
       per trace; see ``explicit_dtypes``).
-    policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides: see :class:`~jmp_lite.flax.ModulePolicies`, as for
-      ``use_default_overrides``, ``fp32_accumulation``, ``fp32_softmax``,
-      ``grad_reduction_dtype`` and ``explicit_dtypes``.
+    policy: a :class:`~jmp_lite.flax.ModulePolicies` (the policy with its
+      overrides and options), or a :class:`~jmp_lite.Policy` or policy string.
+    **options: keywords of :class:`~jmp_lite.flax.ModulePolicies`
+      (``overrides=``...), to build one from a ``Policy``; beside a
+      ``ModulePolicies`` they must agree with it.
+
+  Returns:
+    A function taking exactly ``module.apply``'s arguments (``variables,
+    *args, rngs=None, method=None, mutable=False, capture_intermediates=False,
+    **kwargs``) and returning what it returns.
+
+  Raises:
+    TypeError: if ``module`` is not an unbound linen module, ``policy`` is not
+      a policy, or an option is unknown.
+    ValueError: for an option that conflicts with a ``ModulePolicies``, and
+      as :class:`~jmp_lite.flax.ModulePolicies` for bad options.
 
   Example::
 
-    apply_fn = jl.flax.policy_apply(model, "p=f32,c=bf16,o=f32",
-                                    overrides={MyAttention: "f32"})
+    policies = jl.flax.ModulePolicies("p=f32,c=bf16,o=f32", {MyAttention: "f32"})
+    apply_fn = jl.flax.policy_apply(model, policies)
     logits = apply_fn(variables, x, train=True, rngs={"dropout": key})
 
   A model written with default dtypes, run in bf16 with fp32 LayerNorm:
@@ -255,16 +252,7 @@ def policy_apply(
   'float32'
   """
   _check_module(module, "policy_apply")
-  policies = ModulePolicies(
-    policy,
-    overrides,
-    use_default_overrides=use_default_overrides,
-    fp32_accumulation=fp32_accumulation,
-    fp32_softmax=fp32_softmax,
-    grad_reduction_dtype=grad_reduction_dtype,
-    explicit_dtypes=explicit_dtypes,
-  )
-  return _make_apply(module, policies)
+  return _make_apply(module, as_module_policies(policy, options, "policy_apply"))
 
 
 def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., Any]:
@@ -282,7 +270,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     if params is None:  # nothing to cast (e.g. a parameter-free model)
       with nn.intercept_methods(_Interceptor(policies, None, found)):
         out = run(variables)
-      _warn(policies, found, "policy_apply")
+      warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
       return out
 
     # Which module owns each parameter: trace abstractly, recording the scope
@@ -301,7 +289,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
       jax.eval_shape(trace, variables)
 
     def cast_param(path, value):
-      dtype = nearest(path[:-1], owners)
+      dtype = enclosing_entry(owners, path[:-1])
       return cast_floating(value, dtype if dtype is not None else policies.policy.compute_dtype)
 
     cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
@@ -309,7 +297,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
       cast = FrozenDict(cast)
     with nn.intercept_methods(_Interceptor(policies, None, found, output_paths)):
       out = run(cast)
-    _warn(policies, found, "policy_apply")
+    warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
 
     mutable = kwargs.get("mutable", False)
     if mutable is not False and isinstance(out, tuple) and len(out) == 2:
@@ -334,23 +322,8 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
   return apply_fn
 
 
-def _warn(policies: ModulePolicies, found: dict, caller: str) -> None:
-  # Once per call of the returned function, i.e. once per trace under jit;
-  # stacklevel 3 points at the user's line calling it.
-  if policies.explicit_dtypes == "warn":
-    warn_explicit_dtypes(found, caller, stacklevel=3)
-
-
 def policy_init(
-  module: nn.Module,
-  policy: Policy | str,
-  *,
-  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
-  use_default_overrides: bool = True,
-  fp32_accumulation: bool = True,
-  fp32_softmax: bool = True,
-  grad_reduction_dtype: dtypes.DTypeLike | None = None,
-  explicit_dtypes: str = "warn",
+  module: nn.Module, policy: ModulePolicies | Policy | str, **options: Any
 ) -> Callable[..., Any]:
   """Returns ``module.init`` running under ``policy``, with params in the param dtype.
 
@@ -358,27 +331,30 @@ def policy_init(
   ``param_dtype`` (fp32 for Flax's layers) and then cast to the policy's
   param dtype (a no-op for fp32 master weights). The forward pass ``init``
   runs casts inputs and outputs as :func:`policy_apply` does, and names
-  modules with an explicit ``dtype=`` the same way. Takes ``module.init``'s
-  arguments (``rngs, *args, method=None, mutable=..., **kwargs``); the
-  parameters are those ``module.init`` creates from the same ``rngs``, with
-  lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) too.
+  modules with an explicit ``dtype=`` the same way. The parameters are those
+  ``module.init`` creates from the same ``rngs``, with lifted transforms
+  (``nn.scan``, ``nn.remat``, ``nn.vmap``) too.
+
+  Args:
+    module: an unbound linen module.
+    policy: as for :func:`policy_apply`.
+    **options: as for :func:`policy_apply`.
+
+  Returns:
+    A function taking ``module.init``'s arguments (``rngs, *args,
+    method=None, mutable=..., **kwargs``) and returning its variables.
+
+  Raises:
+    TypeError, ValueError: as :func:`policy_apply`.
   """
   _check_module(module, "policy_init")
-  policies = ModulePolicies(
-    policy,
-    overrides,
-    use_default_overrides=use_default_overrides,
-    fp32_accumulation=fp32_accumulation,
-    fp32_softmax=fp32_softmax,
-    grad_reduction_dtype=grad_reduction_dtype,
-    explicit_dtypes=explicit_dtypes,
-  )
+  policies = as_module_policies(policy, options, "policy_init")
 
   def init_fn(rngs: Any, *args: Any, **kwargs: Any) -> Any:
     found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
     with nn.intercept_methods(_Interceptor(policies, None, found)):
       variables = module.init(rngs, *args, **kwargs)
-    _warn(policies, found, "policy_init")
+    warn_explicit_dtypes(policies, found, "policy_init", stacklevel=2)
     if _PARAMS not in variables:
       return variables
     params = _map_params(

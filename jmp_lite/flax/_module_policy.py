@@ -21,12 +21,15 @@ Every module *call* under a policy then does:
 * an island marked ``recompute`` runs under :func:`jax.checkpoint`, storing
   only its 16-bit inputs for the backward pass.
 
+(The call wrapper that does this, shared by linen and NNX, is in
+``jmp_lite.flax._module_call``; :class:`ModulePolicies` decides the dtypes.)
+
 On top of dtypes, Flax's built-in layers get 16-bit-friendly kernels in place
 of Flax's defaults, only where the layer still uses the default:
 jmp_lite's ``dot_general``/``conv_general_dilated``/``einsum_op``
 (:mod:`jmp_lite.flax.accumulate`: the fp32 output layer, the TPU declaration,
 ``grad_reduction_dtype``) and the fp32-softmax ``attention_fn``
-(:mod:`jmp_lite.flax.attention`); see :data:`FLAX_HOOKS`.
+(:mod:`jmp_lite.flax.attention`); see :data:`~jmp_lite.flax.FLAX_HOOKS`.
 
 A module built with an explicit ``dtype=`` other than the compute dtype the
 policy gives it (Flax's examples thread ``dtype=jnp.float32`` through every
@@ -40,27 +43,24 @@ instead, ``explicit_dtypes="keep"`` keeps them without the warning.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._policy import Policy, get_policy
 from jmp_lite.flax import _accumulate as accumulate
-from jmp_lite.flax import _attention as attention
+from jmp_lite.flax._kernel_hooks import FLAX_HOOKS, KernelHook, kernel_updates
 
 _F32 = np.dtype(jnp.float32)
 
-EXPLICIT_DTYPES = ("warn", "keep", "policy")
+_EXPLICIT_DTYPES = ("warn", "keep", "policy")
 
 
 class ExplicitDtypeWarning(UserWarning):
@@ -111,15 +111,13 @@ class ModulePolicy:
       NNX) to set while the module runs, e.g. ``{"precision": "highest"}``.
       They take precedence over jmp_lite's kernels (see
       :class:`ModulePolicies`).
-    recompute: for an island (a compute dtype other than the enclosing one), run
-      the module under :func:`jax.checkpoint`: the backward pass recomputes
-      its forward from its inputs instead of keeping its wide intermediates.
-      A LayerNorm island otherwise keeps three fp32 copies of its input's size
-      (12 bytes per element, as much as in an fp32 model); recomputed, it
-      keeps only its 16-bit input (2 bytes), like a fused normalization
-      kernel. Only for modules that neither update variables nor draw random
-      numbers (normalization without running statistics); costs one more
-      forward pass of the module.
+    recompute: for an island (a compute dtype other than the enclosing one),
+      run the module under :func:`jax.checkpoint`: the backward pass
+      recomputes its forward from its narrow inputs instead of keeping its
+      wide intermediates (what that saves for a LayerNorm: the Flax guide's
+      "Recomputed islands"), for one more forward pass of the module. Only
+      for modules that neither update variables nor draw random numbers
+      (normalization without running statistics).
 
   >>> ModulePolicy(compute_dtype="f32").compute_dtype
   dtype('float32')
@@ -196,99 +194,91 @@ model's output is cast to the policy's output dtype.
 """
 
 
-class Hook(NamedTuple):
-  """A Flax attribute jmp_lite replaces when a layer computes in 16 bits.
+class ModulePrecision(NamedTuple):
+  """The precision one module runs in: its class's override, in its context.
 
-  ``attribute`` is set to ``replacement`` on modules of class ``cls`` whose
-  ``is_default(module)`` holds: a user's own kernel (say, a quantized
-  ``dot_general``) is never replaced.
+  Attributes:
+    compute_dtype: of its inputs and parameters as read; inherited by the
+      submodules without an override of their own.
+    output_dtype: of the outputs of an inner call (by default the enclosing
+      module's compute dtype).
+    root_output_dtype: of the outputs of the outermost call (by default the
+      policy's output dtype).
+    attributes: the attributes its :class:`ModulePolicy` sets.
+    hooks: the kernel hooks (:data:`FLAX_HOOKS` entries) it gets (16-bit compute
+      only).
+    recompute: whether it runs under :func:`jax.checkpoint` (an island that
+      asked for it).
+    policy_dtype: the compute dtype the policy alone gives it (its own
+      ``dtype=`` aside).
+    explicit_dtype: its own ``dtype=`` where that differs from
+      ``policy_dtype``; ``None`` otherwise.
   """
 
-  cls: type
-  attribute: str
-  is_default: Callable[[Any], bool]
-  replacement: Any
-  kind: str  # "accumulation" or "softmax": which switch of ModulePolicies enables it
-
-
-def _default(attribute: str, jax_default: Any) -> Callable[[Any], bool]:
-  """Whether a layer still uses Flax's default kernel for ``attribute``.
-
-  Flax spells the default as ``None`` (linen, NNX ``LinearGeneral``) or as
-  the JAX function itself (NNX ``Linear``, ``Conv``, ``Einsum``); a
-  ``<attribute>_cls`` factory, where the layer has one, also overrides it.
-  """
-
-  def is_default(module: Any) -> bool:
-    value = getattr(module, attribute, None)
-    factory = getattr(module, f"{attribute}_cls", None)
-    return factory is None and (value is None or value is jax_default)
-
-  return is_default
-
-
-_DOT = ("dot_general", lax.dot_general, accumulate.dot_general, "accumulation")
-_CONV = (
-  "conv_general_dilated",
-  lax.conv_general_dilated,
-  accumulate.conv_general_dilated,
-  "accumulation",
-)
-
-
-def _hook(cls: type, attribute: str, jax_default: Any, replacement: Any, kind: str) -> Hook:
-  return Hook(cls, attribute, _default(attribute, jax_default), replacement, kind)
-
-
-FLAX_HOOKS: tuple[Hook, ...] = (
-  _hook(nn.Dense, *_DOT),
-  _hook(nn.DenseGeneral, *_DOT),
-  _hook(nn.Conv, *_CONV),
-  _hook(
-    nn.MultiHeadDotProductAttention,
-    "attention_fn",
-    nn.dot_product_attention,
-    attention.dot_product_attention,
-    "softmax",
-  ),
-  _hook(nnx.Linear, *_DOT),
-  _hook(nnx.LinearGeneral, *_DOT),
-  _hook(nnx.Conv, *_CONV),
-  _hook(nnx.Einsum, "einsum_op", jnp.einsum, accumulate.einsum, "accumulation"),
-  _hook(
-    nnx.MultiHeadAttention,
-    "attention_fn",
-    nnx.dot_product_attention,
-    attention.dot_product_attention,
-    "softmax",
-  ),
-)
-"""Flax layers whose default kernels jmp_lite replaces for 16-bit compute.
-
-Not covered (no hook in Flax): linen ``Einsum``, ``ConvTranspose`` and
-``Embed.attend``, NNX ``ConvTranspose`` and ``Embed.attend``, and matmuls a
-user module writes itself: they run as JAX lowers them (16-bit products, the
-same matmuls), without the fp32 output layer or ``grad_reduction_dtype``.
-"""
-
-
-class Resolved(NamedTuple):
-  """The effective precision of one module (its class, in its context)."""
-
-  compute_dtype: np.dtype  # inputs and parameters; inherited by submodules without an override
-  output_dtype: np.dtype  # outputs of inner calls: the enclosing module's compute dtype
-  root_output_dtype: np.dtype  # outputs of the outermost call
-  attributes: Mapping[str, Any]  # the user's attributes (explicit overrides only)
-  hooks: tuple[Hook, ...]  # Flax kernels to swap in (16-bit compute only)
-  recompute: bool  # run under jax.checkpoint (an island that asked for it)
-  # The compute dtype the policy alone gives the module (explicit dtypes aside).
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+  root_output_dtype: np.dtype
+  attributes: Mapping[str, Any]
+  hooks: tuple[KernelHook, ...]
+  recompute: bool
   policy_dtype: np.dtype
-  # The module's own dtype= where it differs from policy_dtype (None otherwise).
   explicit_dtype: np.dtype | None = None
 
 
+def _check_bool(value: Any, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}.")
+  return bool(value)
+
+
+def _override_table(
+  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None,
+  use_default_overrides: bool,
+) -> Mapping[type, ModulePolicy | None]:
+  """``overrides`` validated, each value a ModulePolicy or None, merged over the defaults."""
+  if overrides is not None and not isinstance(overrides, Mapping):
+    raise TypeError(
+      f"overrides must be a mapping from module class to ModulePolicy, got {overrides!r}."
+    )
+  table: dict[type, ModulePolicy | None] = dict(DEFAULT_OVERRIDES) if use_default_overrides else {}
+  for cls, value in (overrides or {}).items():
+    if not (isinstance(cls, type) and issubclass(cls, (nn.Module, nnx.Module))):
+      raise TypeError(f"override keys must be Flax linen or NNX module classes, got {cls!r}.")
+    if value is None:
+      # An explicit "no override": stops the search along the MRO too, so a
+      # LayerNorm subclass mapped to None follows the policy.
+      table[cls] = None
+    elif isinstance(value, ModulePolicy):
+      table[cls] = value
+    elif isinstance(value, Policy):
+      raise TypeError(
+        f"override for {cls.__name__} is a Policy; use ModulePolicy(compute_dtype=..., "
+        "output_dtype=...): parameters are stored in the global policy's param dtype."
+      )
+    else:
+      try:
+        table[cls] = ModulePolicy(compute_dtype=value)
+      except (TypeError, ValueError) as e:
+        raise type(e)(f"override for {cls.__name__}: {e}") from e
+  return types.MappingProxyType(table)
+
+
+# The options of ModulePolicies besides the overrides, with their defaults (shown by repr).
+_OPTION_DEFAULTS = {
+  "fp32_accumulation": True,
+  "fp32_softmax": True,
+  "grad_reduction_dtype": None,
+  "explicit_dtypes": "warn",
+}
+
+
 class ModulePolicies:
-  """A policy plus per-module-class overrides, resolved per module.
+  """A precision policy with per-module-class overrides and kernel options.
+
+  The whole configuration :func:`~jmp_lite.flax.policy_apply`,
+  :func:`~jmp_lite.flax.policy_init` and :func:`~jmp_lite.flax.policy_view`
+  run a model under: pass one as their ``policy``. Immutable and hashable;
+  two are equal when they run every module alike.
 
   A module whose class (or a base class) has an override computes in the
   override's dtype and returns its ``output_dtype`` (default: the dtype of the
@@ -309,17 +299,17 @@ class ModulePolicies:
     fp32_accumulation: give Flax's dense, convolution and einsum layers
       jmp_lite's kernels when they compute in 16 bits: 16-bit matmuls, which
       every backend accumulates in fp32 (stated in the program on TPU; see
-      :mod:`jmp_lite.flax.accumulate`), and an fp32 result for the layer that
-      produces the model's fp32 output (the logits before the loss).
-    fp32_softmax: give Flax's attention layers :func:`dot_product_attention`
-      (an fp32 softmax keeping 16-bit residuals) when they compute in 16 bits.
+      :func:`~jmp_lite.flax.dot_general`), and an fp32 result for the layer
+      that produces the model's fp32 output (the logits before the loss).
+    fp32_softmax: give Flax's attention layers
+      :func:`~jmp_lite.flax.dot_product_attention` (an fp32 softmax keeping
+      16-bit residuals) when they compute in 16 bits.
     grad_reduction_dtype: ``None`` (default) or ``float32``: the dtype in which
       the kernel gradients of 16-bit dense, convolution and einsum layers
-      leave their matmuls. ``None`` keeps them in the compute dtype, as Flax's
-      16-bit layers do, so that under data parallelism or FSDP the
-      cross-device reduction of the per-device partial gradients moves 16-bit
-      values; ``float32`` reduces in fp32 (twice the bytes) and rounds the sum
-      once to the compute dtype.
+      leave their matmuls, hence the dtype of their cross-device reduction
+      under data parallelism or FSDP. ``None`` keeps the compute dtype, as
+      Flax's 16-bit layers do; ``float32`` reduces in fp32 (twice the bytes)
+      and rounds the sum once to the compute dtype.
     explicit_dtypes: what happens to a module whose own ``dtype`` attribute
       (``nn.Dense(..., dtype=jnp.float32)``) differs from the compute dtype the
       policy gives it. ``"warn"`` (default): it keeps its dtype, as an island
@@ -330,13 +320,31 @@ class ModulePolicies:
       ``ModulePolicy`` whose ``attributes`` set ``dtype`` decides for its class.
 
   Raises:
-    TypeError: for an override key that is not a Flax module class, or a value
-      that is not a ModulePolicy, dtype or None.
+    TypeError: for an override key that is not a Flax module class, a value
+      that is not a ModulePolicy, dtype or None, or a switch that is not a bool.
     ValueError: for an fp8 compute dtype (use jmp_lite's fp8 support), an
       unknown dtype name, an ``explicit_dtypes`` not in ``"warn"``, ``"keep"``,
       ``"policy"``, or a ``grad_reduction_dtype`` other than fp32 (or with
       ``fp32_accumulation=False``).
+
+  >>> import flax.linen as nn
+  >>> policies = jl.flax.ModulePolicies("p=f32,c=bf16,o=f32", {nn.Dense: "f32"})
+  >>> [np.dtype(policies.resolve(cls).compute_dtype).name for cls in (nn.Dense, nn.Conv)]
+  ['float32', 'bfloat16']
+  >>> jl.flax.policy_apply(nn.Dense(2), policies, fp32_softmax=False)
+  Traceback (most recent call last):
+  ...
+  ValueError: policy_apply: fp32_softmax=False conflicts with the ModulePolicies passed as ...
   """
+
+  policy: Policy
+  overrides: Mapping[type, ModulePolicy | None]  # the defaults merged in
+  fp32_accumulation: bool
+  fp32_softmax: bool
+  grad_reduction_dtype: np.dtype | None
+  explicit_dtypes: str
+  _arguments: dict[str, Any]  # as given to __init__
+  _cache: dict[tuple, ModulePrecision]  # resolve's results
 
   def __init__(
     self,
@@ -349,54 +357,52 @@ class ModulePolicies:
     grad_reduction_dtype: dtypes.DTypeLike | None = None,
     explicit_dtypes: str = "warn",
   ):
-    self.policy = get_policy(policy)
-    self.grad_reduction_dtype = _check_grad_reduction_dtype(grad_reduction_dtype)
-    if explicit_dtypes not in EXPLICIT_DTYPES:
+    policy = get_policy(policy)
+    if dtypes.is_float8(policy.compute_dtype):
       raise ValueError(
-        f"explicit_dtypes must be one of {', '.join(map(repr, EXPLICIT_DTYPES))}; got "
-        f"{explicit_dtypes!r}."
-      )
-    self.explicit_dtypes = explicit_dtypes
-    if dtypes.is_float8(self.policy.compute_dtype):
-      raise ValueError(
-        f"Policy {self.policy} computes in fp8, which needs per-tensor scaling that casting "
+        f"Policy {policy} computes in fp8, which needs per-tensor scaling that casting "
         "Flax modules cannot provide; use jmp_lite's fp8 matmuls for fp8 compute."
       )
-    if overrides is not None and not isinstance(overrides, Mapping):
-      raise TypeError(
-        f"overrides must be a mapping from module class to ModulePolicy, got {overrides!r}."
+    if explicit_dtypes not in _EXPLICIT_DTYPES:
+      raise ValueError(
+        f"explicit_dtypes must be one of {', '.join(map(repr, _EXPLICIT_DTYPES))}; got "
+        f"{explicit_dtypes!r}."
       )
-    table: dict[type, ModulePolicy | None] = (
-      dict(DEFAULT_OVERRIDES) if use_default_overrides else {}
-    )
-    for cls, value in (overrides or {}).items():
-      if not (isinstance(cls, type) and issubclass(cls, (nn.Module, nnx.Module))):
-        raise TypeError(f"override keys must be Flax linen or NNX module classes, got {cls!r}.")
-      if value is None:
-        # An explicit "no override": stops the search along the MRO too, so a
-        # LayerNorm subclass mapped to None follows the policy.
-        table[cls] = None
-      elif isinstance(value, ModulePolicy):
-        table[cls] = value
-      elif isinstance(value, Policy):
-        raise TypeError(
-          f"override for {cls.__name__} is a Policy; use ModulePolicy(compute_dtype=..., "
-          "output_dtype=...): parameters are stored in the global policy's param dtype."
-        )
-      else:
-        try:
-          table[cls] = ModulePolicy(compute_dtype=value)
-        except (TypeError, ValueError) as e:
-          raise type(e)(f"override for {cls.__name__}: {e}") from e
-    self.overrides: Mapping[type, ModulePolicy | None] = types.MappingProxyType(table)
-    self.fp32_accumulation = bool(fp32_accumulation)
-    if self.grad_reduction_dtype is not None and not self.fp32_accumulation:
+    fields = {
+      "policy": policy,
+      "overrides": _override_table(
+        overrides, _check_bool(use_default_overrides, "use_default_overrides")
+      ),
+      "fp32_accumulation": _check_bool(fp32_accumulation, "fp32_accumulation"),
+      "fp32_softmax": _check_bool(fp32_softmax, "fp32_softmax"),
+      "grad_reduction_dtype": _check_grad_reduction_dtype(grad_reduction_dtype),
+      "explicit_dtypes": explicit_dtypes,
+    }
+    if fields["grad_reduction_dtype"] is not None and not fields["fp32_accumulation"]:
       raise ValueError(
         "grad_reduction_dtype needs jmp_lite's kernels, which fp32_accumulation=False switches "
         "off; keep fp32_accumulation=True or drop grad_reduction_dtype."
       )
-    self.fp32_softmax = bool(fp32_softmax)
-    self._cache: dict[tuple, Resolved] = {}
+    # The arguments as given, to build this object again with some of them changed.
+    arguments = {
+      "overrides": None if overrides is None else dict(overrides),
+      "use_default_overrides": use_default_overrides,
+      "fp32_accumulation": fp32_accumulation,
+      "fp32_softmax": fp32_softmax,
+      "grad_reduction_dtype": grad_reduction_dtype,
+      "explicit_dtypes": explicit_dtypes,
+    }
+    for name, value in {**fields, "_arguments": arguments, "_cache": {}}.items():
+      object.__setattr__(self, name, value)
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError(
+      f"ModulePolicies is immutable; build a new one to change {name} (got {value!r})."
+    )
+
+  def _with(self, options: Mapping[str, Any]) -> ModulePolicies:
+    """This object built again with some constructor keywords changed."""
+    return ModulePolicies(self.policy, **{**self._arguments, **options})
 
   def _key(self):
     return (
@@ -407,10 +413,7 @@ class ModulePolicies:
           key=lambda item: item[0],
         )
       ),
-      self.fp32_accumulation,
-      self.fp32_softmax,
-      self.grad_reduction_dtype,
-      self.explicit_dtypes,
+      *(getattr(self, name) for name in _OPTION_DEFAULTS),
     )
 
   def __eq__(self, other):
@@ -421,12 +424,23 @@ class ModulePolicies:
 
   def __repr__(self):
     names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in self.overrides)
-    return f"ModulePolicies({self.policy}, overrides=[{names}])"
+    options = "".join(
+      f", {name}={getattr(self, name)!r}"
+      for name, default in _OPTION_DEFAULTS.items()
+      if getattr(self, name) != default
+    )
+    return f"ModulePolicies({self.policy}, overrides=[{names}]{options})"
 
   def module_policy(self, cls: type) -> ModulePolicy | None:
-    """The override for ``cls``: that of its most specific class in the table.
+    """Returns the override for module class ``cls``.
 
-    ``None`` if there is none, or the closest entry is an explicit ``None``.
+    Args:
+      cls: a Flax module class.
+
+    Returns:
+      The entry of ``cls``'s most specific class (along its MRO) in
+      :attr:`overrides`; ``None`` if there is none, or if that entry is an
+      explicit ``None``.
     """
     for base in cls.__mro__:
       if base in self.overrides:
@@ -434,70 +448,46 @@ class ModulePolicies:
     return None
 
   def resolve(
-    self, cls: type, parent: Resolved | None = None, dtype: np.dtype | None = None
-  ) -> Resolved:
-    """The precision of a module of class ``cls`` called inside ``parent``.
+    self, cls: type, parent: ModulePrecision | None = None, dtype: np.dtype | None = None
+  ) -> ModulePrecision:
+    """Returns the precision of a module of class ``cls`` called inside ``parent``.
 
-    ``parent`` is the :class:`Resolved` of the enclosing module, ``None`` at
-    the top (then the policy's compute dtype is the context). ``dtype`` is the
-    module's own ``dtype`` attribute (:func:`explicit_dtype`), if any.
+    Args:
+      cls: the module's class.
+      parent: the :class:`ModulePrecision` of the enclosing module; ``None``
+        at the top, where the policy's compute dtype is the context.
+      dtype: the module's own ``dtype`` attribute (:func:`explicit_dtype`),
+        if any.
+
+    Returns:
+      Its :class:`ModulePrecision` (cached per class and context).
     """
     context = parent.compute_dtype if parent is not None else self.policy.compute_dtype
     policy_context = parent.policy_dtype if parent is not None else self.policy.compute_dtype
     key = (cls, context, policy_context, dtype)
     if key not in self._cache:
-      override = self.module_policy(cls)
-      attributes: Mapping[str, Any] = (
-        override.attributes if override else types.MappingProxyType({})
-      )
-      # What the policy alone asks for; the warning compares the module's dtype with it.
-      if override is None:
-        policy_dtype = policy_context
-      else:
-        policy_dtype = override.compute_dtype or self.policy.compute_dtype
-      explicit = None
-      if dtype is not None and dtype != policy_dtype and "dtype" not in attributes:
-        explicit = dtype
-      output = override.output_dtype if override else None
-      if explicit is not None and self.explicit_dtypes != "policy":
-        # The module computes in its own dtype whatever is cast: make it an island of
-        # that dtype, so that its parameters are read unrounded and its inputs arrive
-        # in the dtype it computes in.
-        compute = explicit
-      elif override is None:  # inherit the context
-        compute = context
-      else:
-        compute = policy_dtype
-      root_output = output or self.policy.output_dtype
-      recompute = bool(override and override.recompute) and compute != context
-      hooks: tuple[Hook, ...] = ()
-      if accumulate.is_16bit_float(compute):
-        enabled = {"accumulation": self.fp32_accumulation, "softmax": self.fp32_softmax}
-        hooks = tuple(
-          h
-          for h in FLAX_HOOKS
-          if issubclass(cls, h.cls) and enabled[h.kind] and h.attribute not in attributes
-        )
-      self._cache[key] = Resolved(
-        compute,
-        output or context,
-        root_output,
-        attributes,
-        hooks,
-        recompute,
-        policy_dtype,
-        explicit,
-      )
+      self._cache[key] = _resolve(self, cls, context, policy_context, dtype)
     return self._cache[key]
 
   def attribute_updates(
-    self, module: Any, resolved: Resolved | None = None, *, wide_output: bool = False
+    self, module: Any, resolved: ModulePrecision | None = None, *, wide_output: bool = False
   ) -> dict[str, Any]:
-    """Attributes to set on ``module`` while it runs (hooks, then the user's).
+    """Returns the attributes to set on ``module`` while it runs.
 
-    ``resolved`` is the module's :class:`Resolved` (default: at the top).
-    ``wide_output``: the module's output is the model's output, in the
-    policy's output dtype; its matmul then produces that dtype directly.
+    Args:
+      module: a linen or NNX module.
+      resolved: its :class:`ModulePrecision` (default: the one at the top).
+      wide_output: whether the module's output is the model's output, in the
+        policy's output dtype; its matmul then produces that dtype directly.
+
+    Returns:
+      ``{attribute: value}``: jmp_lite's kernels where the module still has
+      Flax's default, its ``dtype`` under ``explicit_dtypes="policy"``, then
+      the attributes of its :class:`ModulePolicy` (which win).
+
+    Raises:
+      AttributeError: if its :class:`ModulePolicy` sets an attribute the
+        module does not have.
     """
     resolved = resolved or self.resolve(type(module), None, explicit_dtype(module))
     options: dict[str, Any] = {}
@@ -505,16 +495,7 @@ class ModulePolicies:
       options["rhs_grad_dtype"] = self.grad_reduction_dtype
     if wide_output and np.dtype(resolved.root_output_dtype) == _F32:
       options["output_dtype"] = _F32
-    updates = {
-      h.attribute: (
-        functools.partial(h.replacement, **options)
-        if options and h.kind == "accumulation"
-        else h.replacement
-      )
-      for h in resolved.hooks
-      # (a layer already given jmp_lite's kernel, e.g. by policy_view, may get its options)
-      if h.is_default(module) or _unwrapped(getattr(module, h.attribute, None)) is h.replacement
-    }
+    updates = kernel_updates(resolved.hooks, module, options)
     if resolved.explicit_dtype is not None and self.explicit_dtypes == "policy":
       updates["dtype"] = resolved.compute_dtype
     for name, value in resolved.attributes.items():
@@ -527,11 +508,116 @@ class ModulePolicies:
     return updates
 
 
+def _resolve(
+  policies: ModulePolicies,
+  cls: type,
+  context: np.dtype,
+  policy_context: np.dtype,
+  dtype: np.dtype | None,
+) -> ModulePrecision:
+  """:meth:`ModulePolicies.resolve` without the cache.
+
+  ``context`` is the compute dtype of the enclosing module, ``policy_context``
+  the one the policy alone gives it.
+  """
+  override = policies.module_policy(cls)
+  attributes: Mapping[str, Any] = override.attributes if override else types.MappingProxyType({})
+  # What the policy alone asks for; the warning compares the module's dtype with it.
+  if override is None:
+    policy_dtype = policy_context
+  else:
+    policy_dtype = override.compute_dtype or policies.policy.compute_dtype
+  explicit = None
+  if dtype is not None and dtype != policy_dtype and "dtype" not in attributes:
+    explicit = dtype
+  output = override.output_dtype if override else None
+  if explicit is not None and policies.explicit_dtypes != "policy":
+    # The module computes in its own dtype whatever is cast: make it an island of
+    # that dtype, so that its parameters are read unrounded and its inputs arrive
+    # in the dtype it computes in.
+    compute = explicit
+  elif override is None:  # inherit the context
+    compute = context
+  else:
+    compute = policy_dtype
+  recompute = bool(override and override.recompute) and compute != context
+  hooks: tuple[KernelHook, ...] = ()
+  if accumulate.is_16bit_float(compute):
+    enabled = {"accumulation": policies.fp32_accumulation, "softmax": policies.fp32_softmax}
+    hooks = tuple(
+      h
+      for h in FLAX_HOOKS
+      if issubclass(cls, h.cls) and enabled[h.kind] and h.attribute not in attributes
+    )
+  root_output = output or policies.policy.output_dtype
+  return ModulePrecision(
+    compute, output or context, root_output, attributes, hooks, recompute, policy_dtype, explicit
+  )
+
+
+# The keywords policy_apply, policy_init and policy_view take beside a policy: those of
+# ModulePolicies.
+_OPTIONS = ("overrides", "use_default_overrides", *_OPTION_DEFAULTS)
+
+
+def as_module_policies(
+  policy: Policy | str | ModulePolicies, options: Mapping[str, Any], caller: str
+) -> ModulePolicies:
+  """Folds an entry point's ``policy`` and option keywords into one :class:`ModulePolicies`.
+
+  Args:
+    policy: a :class:`ModulePolicies`, a :class:`~jmp_lite.Policy` or a policy
+      string.
+    options: the keywords passed besides it (those of :class:`ModulePolicies`).
+      With a ``ModulePolicies`` they must agree with it: a keyword that would
+      run some module differently is refused.
+    caller: the entry point, for the messages.
+
+  Returns:
+    ``policy`` itself if it is a ``ModulePolicies``, otherwise
+    ``ModulePolicies(policy, **options)``.
+
+  Raises:
+    TypeError: for a ``policy`` of another type or an unknown keyword (and as
+      :class:`ModulePolicies`).
+    ValueError: for keywords that conflict with a given ``ModulePolicies`` (and
+      as :class:`ModulePolicies`).
+  """
+  unknown = [name for name in options if name not in _OPTIONS]
+  if unknown:
+    raise TypeError(
+      f"{caller} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; its "
+      f"options are {', '.join(_OPTIONS)}."
+    )
+  if isinstance(policy, ModulePolicies):
+    if options and policy._with(options) != policy:
+      conflicts = [name for name in options if policy._with({name: options[name]}) != policy]
+      given = ", ".join(f"{name}={options[name]!r}" for name in conflicts or options)
+      raise ValueError(
+        f"{caller}: {given} conflicts with the ModulePolicies passed as policy ({policy!r}). "
+        "Set the options on the ModulePolicies, or pass a Policy with the keywords."
+      )
+    return policy
+  if not isinstance(policy, (Policy, str)):
+    raise TypeError(
+      f"{caller} expects a policy: a jmp_lite.Policy, a policy string or a "
+      f"jmp_lite.flax.ModulePolicies; got {policy!r} of type {type(policy).__name__}."
+    )
+  return ModulePolicies(policy, **options)
+
+
 def explicit_dtype(module: Any) -> np.dtype | None:
-  """The floating dtype a module was built with (its ``dtype`` attribute), or None.
+  """Returns the floating dtype a module was built with (its ``dtype`` attribute).
 
   Read from the instance's ``__dict__``: a linen module's ``__getattr__``
   would run its ``setup`` for a missing name.
+
+  Args:
+    module: a linen or NNX module.
+
+  Returns:
+    Its ``dtype`` as an ``np.dtype`` if that is a floating dtype; ``None`` if
+    it has none, ``None`` (Flax's default) or another kind of ``dtype``.
   """
   value = getattr(module, "__dict__", {}).get("dtype")
   if value is None:
@@ -544,15 +630,23 @@ def explicit_dtype(module: Any) -> np.dtype | None:
 
 
 def warn_explicit_dtypes(
-  found: Mapping[str, tuple[str, np.dtype, np.dtype]], caller: str, stacklevel: int
+  policies: ModulePolicies,
+  found: Mapping[str, tuple[str, np.dtype, np.dtype]],
+  caller: str,
+  stacklevel: int,
 ) -> None:
   """Issues one :class:`ExplicitDtypeWarning` naming every module in ``found``.
 
+  Nothing is issued unless ``policies.explicit_dtypes`` is ``"warn"``.
+
   Args:
+    policies: what the model runs under.
     found: ``{path: (class name, the module's dtype, the policy's dtype)}``.
     caller: the public function the user called, for the message.
     stacklevel: as for :func:`warnings.warn`, counted from the caller of this function.
   """
+  if policies.explicit_dtypes != "warn":
+    return
   if not found:
     return
   names = "; ".join(
@@ -569,79 +663,3 @@ def warn_explicit_dtypes(
     ExplicitDtypeWarning,
     stacklevel=stacklevel + 1,
   )
-
-
-def cast_floating(tree: Any, dtype: np.dtype) -> Any:
-  """Casts the floating-point array leaves of ``tree`` to ``dtype``.
-
-  Unlike :meth:`Policy.cast_to_compute`, tracers of any JAX transformation and
-  Python floats are left to JAX's promotion rules (Python scalars stay weakly
-  typed); integer, boolean and key arrays pass through.
-  """
-
-  def cast(x):
-    if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
-      return x if x.dtype == dtype else x.astype(dtype)
-    return x
-
-  return jax.tree_util.tree_map(cast, tree)
-
-
-def recomputed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-  """``fn(*args, **kwargs)`` under :func:`jax.checkpoint` (non-array arguments static)."""
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
-
-  def call(*arrays):
-    it = iter(arrays)
-    full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
-    a, k = jax.tree_util.tree_unflatten(treedef, full)
-    return fn(*a, **k)
-
-  return jax.checkpoint(call)(*(x for x, a in zip(leaves, is_array, strict=True) if a))
-
-
-class CallRecord(NamedTuple):
-  """One module call seen while tracing a model to find its output layers."""
-
-  path: tuple
-  raw: list  # the array leaves the module computed
-  returned: list  # the array leaves it returned (after its output cast)
-
-
-def record_call(path: tuple, raw: Any, returned: Any) -> CallRecord:
-  arrays = lambda tree: [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
-  return CallRecord(tuple(path), arrays(raw), arrays(returned))
-
-
-def output_chain(records: list[CallRecord]) -> frozenset[tuple]:
-  """The modules whose output is (part of) the model's output, from the calls of one trace.
-
-  ``records`` are in exit order, the outermost call last. Matched by
-  identity, from the outermost call down: a module is in the chain if what it
-  returned is part of the raw output of one already in it (the outermost call
-  is), so the chain from the model down to the layer that computes its output
-  is found. A module whose result is transformed before it is returned
-  (``.astype``, a division, a lifted transform) ends the chain. The records
-  hold the arrays, so their ids are not reused while this runs.
-  """
-  found: set[tuple] = set()
-  wanted: set[int] = set()
-  for i, (path, raw, returned) in enumerate(reversed(records)):
-    if i == 0 or wanted & {id(x) for x in returned}:
-      found.add(path)
-      wanted |= {id(x) for x in raw}
-  return frozenset(found)
-
-
-def _unwrapped(fn: Any) -> Any:
-  """``fn``, or the function a ``functools.partial`` of jmp_lite's options wraps."""
-  return fn.func if isinstance(fn, functools.partial) else fn
-
-
-def nearest(path: tuple, table: Mapping[tuple, Any]) -> Any:
-  """The entry of ``table`` at ``path`` or at its closest ancestor (None if none)."""
-  for n in range(len(path), -1, -1):
-    if path[:n] in table:
-      return table[path[:n]]
-  return None

@@ -37,43 +37,40 @@ included: NNX does not let an inner trace split a model from an outer one.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import weakref
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx.graph import is_graph_node
 
-from jmp_lite import _dtypes as dtypes
-from jmp_lite._policy import Policy
+from jmp_lite._context import Ambient
+from jmp_lite._policy import Policy, cast_floating
+from jmp_lite.flax._module_call import (
+  CallRecord,
+  cast_call,
+  enclosing_entry,
+  is_array,
+  output_chain,
+  split_leaves,
+)
 from jmp_lite.flax._module_policy import (
   ModulePolicies,
-  ModulePolicy,
-  Resolved,
-  cast_floating,
+  ModulePrecision,
+  as_module_policies,
   explicit_dtype,
-  nearest,
-  output_chain,
-  recomputed,
-  record_call,
   warn_explicit_dtypes,
 )
 
 M = TypeVar("M", bound=nnx.Module)
 _F32 = np.dtype(jnp.float32)
 
-
-# While a view's output chain is being discovered: the CallRecord of every wrapped
-# call, in exit order.
-_DISCOVERY: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-  "jmp_lite_policy_view_discovery", default=None
-)
-
+# While a view's output chain is being discovered: the list receiving a CallRecord of
+# every wrapped call, in exit order.
+_DISCOVERY: Ambient[list[CallRecord]] = Ambient("jmp_lite_policy_view_discovery")
 
 # Views whose output chain is not discovered yet (until their first call).
 _UNDISCOVERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -84,7 +81,16 @@ class PolicyModule(nnx.Module):
 
   Attribute reads fall through to the wrapped module (``view.block.norm.scale``
   works as on the model); public methods reached that way are cast like
-  ``__call__``. ``module`` is the wrapped module.
+  ``__call__``. :func:`policy_view` builds these; ``module`` is the wrapped
+  module.
+
+  Args:
+    module: the module to wrap (the view's copy).
+    compute_dtype: the dtype its floating inputs are cast to.
+    output_dtype: the dtype its floating outputs are cast to.
+    recompute: run its calls under :func:`jax.checkpoint`, the input cast
+      inside, so that the backward pass keeps only the narrow inputs.
+    path: its path in the model (to find the model's output layers).
   """
 
   def __init__(
@@ -102,21 +108,29 @@ class PolicyModule(nnx.Module):
     self._path = tuple(path)
 
   def _cast_call(self, fn, *args, **kwargs):
-    def call(*args, **kwargs):
-      args, kwargs = cast_floating((args, kwargs), self._compute_dtype)
-      return fn(*args, **kwargs)
-
-    # Under recompute the cast happens inside, so the saved inputs are the narrow ones.
-    out = recomputed(call, args, kwargs) if self._recompute else call(*args, **kwargs)
-    returned = cast_floating(out, self._output_dtype)
-    calls = _DISCOVERY.get()
-    if calls is not None:
-      calls.append(record_call(self._path, out, returned))
-    return returned
+    return cast_call(
+      fn,
+      args,
+      kwargs,
+      self._compute_dtype,
+      self._output_dtype,
+      recompute=self._recompute,
+      record=_DISCOVERY.current(),
+      path=self._path,
+    )
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    """Calls the wrapped module with its inputs and outputs cast.
+
+    Args:
+      *args: the module's positional arguments.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      The module's result, its floating leaves in this module's output dtype.
+    """
     pending = _UNDISCOVERED.pop(self, None)
-    if pending is not None and _DISCOVERY.get() is None:
+    if pending is not None and _DISCOVERY.current() is None:
       policies, resolved, wrappers = pending
       self._widen_output_layers(policies, resolved, wrappers, args, kwargs)
     return self._cast_call(self.module, *args, **kwargs)
@@ -124,7 +138,7 @@ class PolicyModule(nnx.Module):
   def _widen_output_layers(
     self,
     policies: ModulePolicies,
-    resolved: Mapping[tuple, Resolved],
+    resolved: Mapping[tuple, ModulePrecision],
     wrappers: Mapping[tuple, PolicyModule],
     args: tuple,
     kwargs: dict,
@@ -138,22 +152,17 @@ class PolicyModule(nnx.Module):
     """
     # Arrays and NNX objects (Rngs) are traced; other arguments (a train flag,
     # a mode string) stay what they are.
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_graph_node)
-    traced = [isinstance(x, (jax.Array, np.ndarray)) or is_graph_node(x) for x in leaves]
+    traced, rebuild = split_leaves(
+      (args, kwargs), lambda x: is_array(x) or is_graph_node(x), is_leaf=is_graph_node
+    )
 
     def call(view, values):
-      it = iter(values)
-      a, k = jax.tree_util.tree_unflatten(
-        treedef, [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
-      )
+      a, k = rebuild(values)
       return view(*a, **k)
 
-    calls: list = []
-    token = _DISCOVERY.set(calls)
-    try:
-      nnx.eval_shape(call, self, [x for x, t in zip(leaves, traced, strict=True) if t])
-    finally:
-      _DISCOVERY.reset(token)
+    calls: list[CallRecord] = []
+    with _DISCOVERY.scope(calls):
+      nnx.eval_shape(call, self, traced)
     for path in output_chain(calls):
       wrapper, r = wrappers[path], resolved[path]
       updates = policies.attribute_updates(wrapper.module, r, wide_output=True)
@@ -175,7 +184,7 @@ class PolicyModule(nnx.Module):
     return value
 
 
-def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, Resolved]:
+def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, ModulePrecision]:
   """The precision of every module of ``model``, by path, parents before children."""
   modules = {
     tuple(path): module
@@ -183,25 +192,15 @@ def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple,
     # Containers are transparent: a module in an nnx.List belongs to the list's holder.
     if not isinstance(module, (nnx.List, nnx.Dict))
   }
-  resolved: dict[tuple, Resolved] = {}
+  resolved: dict[tuple, ModulePrecision] = {}
   for path in sorted(modules, key=len):
-    parent = nearest(path[:-1], resolved) if path else None
+    parent = enclosing_entry(resolved, path[:-1]) if path else None
     module = modules[path]
     resolved[path] = policies.resolve(type(module), parent, explicit_dtype(module))
   return resolved
 
 
-def policy_view(
-  model: M,
-  policy: Policy | str,
-  *,
-  overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
-  use_default_overrides: bool = True,
-  fp32_accumulation: bool = True,
-  fp32_softmax: bool = True,
-  grad_reduction_dtype: dtypes.DTypeLike | None = None,
-  explicit_dtypes: str = "warn",
-) -> M:
+def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any) -> M:
   """Returns a view of ``model`` that runs under ``policy`` (``model`` is untouched).
 
   Calling the view (``policy_view(model, policy)(x)``) casts ``x`` to the
@@ -225,11 +224,13 @@ def policy_view(
     model: an NNX module written with default dtypes (a module built with
       another ``dtype=`` than the policy gives it keeps that dtype and is
       named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning` when the view
-      is built; see ``explicit_dtypes``).
-    policy: a :class:`~jmp_lite.Policy` or policy string.
-    overrides: see :class:`~jmp_lite.flax.ModulePolicies`, as for
-      ``use_default_overrides``, ``fp32_accumulation``, ``fp32_softmax``,
-      ``grad_reduction_dtype`` and ``explicit_dtypes``.
+      is built; see ``explicit_dtypes`` of
+      :class:`~jmp_lite.flax.ModulePolicies`).
+    policy: a :class:`~jmp_lite.flax.ModulePolicies` (the policy with its
+      overrides and options), or a :class:`~jmp_lite.Policy` or policy string.
+    **options: keywords of :class:`~jmp_lite.flax.ModulePolicies`
+      (``overrides=``...), to build one from a ``Policy``; beside a
+      ``ModulePolicies`` they must agree with it.
 
   Returns:
     A :class:`PolicyModule` wrapping the low-precision copy of ``model``;
@@ -237,7 +238,10 @@ def policy_view(
 
   Raises:
     TypeError: if ``model`` is not an NNX module (or a linen one: use
-      :func:`~jmp_lite.flax.policy_apply`).
+      :func:`~jmp_lite.flax.policy_apply`), ``policy`` is not a policy, or an
+      option is unknown.
+    ValueError: for an option that conflicts with a ``ModulePolicies``, and
+      as :class:`~jmp_lite.flax.ModulePolicies` for bad options.
 
   >>> from flax import nnx
   >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -252,19 +256,10 @@ def policy_view(
       f"policy_view expects a flax.nnx Module, got {model!r} of type {type(model).__name__}"
       " (for linen models use jmp_lite.flax.policy_apply)."
     )
-  policies = ModulePolicies(
-    policy,
-    overrides,
-    use_default_overrides=use_default_overrides,
-    fp32_accumulation=fp32_accumulation,
-    fp32_softmax=fp32_softmax,
-    grad_reduction_dtype=grad_reduction_dtype,
-    explicit_dtypes=explicit_dtypes,
-  )
+  policies = as_module_policies(policy, options, "policy_view")
   view, found = _view(model, policies)
-  if policies.explicit_dtypes == "warn":
-    # Once per view, i.e. once per trace of the step that builds it.
-    warn_explicit_dtypes(found, "policy_view", stacklevel=2)
+  # Once per view, i.e. once per trace of the step that builds it.
+  warn_explicit_dtypes(policies, found, "policy_view", stacklevel=2)
   return view
 
 
@@ -281,7 +276,7 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
     value = param.get_value()
     if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
       return param
-    owner = nearest(tuple(path[:-1]), resolved)
+    owner = enclosing_entry(resolved, tuple(path[:-1]))
     dtype = owner.compute_dtype if owner is not None else policies.policy.compute_dtype
     # A new Variable: the model's Param keeps its value and dtype.
     return param if value.dtype == dtype else param.replace(cast_floating(value, dtype))

@@ -72,9 +72,10 @@ class Optimizer(nnx.Optimizer[M]):
 
   @property
   def loss_scaling_state(self) -> LossScalingState:
-    """The loss scaling state (as plain arrays): scale and skip counters to log.
+    """The :class:`~jmp_lite.LossScalingState` (as plain arrays): scale and counters to log.
 
-    Raises ``ValueError`` if the optimizer has no loss scaling.
+    Raises:
+      ValueError: if the optimizer has no loss scaling.
     """
     # NNX stores optimizer state leaves as OptState Variables; as_pure gives arrays.
     return get_loss_scaling_state(nnx.as_pure(self.opt_state))
@@ -98,14 +99,25 @@ class Optimizer(nnx.Optimizer[M]):
     Differentiates argument ``argnums`` (a model) with respect to this
     optimizer's ``wrt`` Variables, through the loss scale's
     :meth:`~jmp_lite.LossScale.value_and_grad` (so layer-wise scales activate
-    their stage boundaries). Returns a function with ``fun``'s signature giving
-    ``(value, grads)``: ``value`` unscaled (``(loss, aux)`` with ``has_aux``),
-    ``grads`` the gradients of the scaled loss, which :meth:`update` expects.
+    their stage boundaries).
 
     A step whose gradients are not finite will be skipped by :meth:`update`;
     the forward pass's writes to the model's other Variables (``BatchStat``
     running statistics, counters; not ``RngState``) are then undone here, so a
     skipped step leaves the whole model as it was.
+
+    Args:
+      fun: the loss function of the model (and other arguments).
+      has_aux: ``fun`` returns ``(loss, aux)``.
+      argnums: the position of the model among ``fun``'s arguments.
+
+    Returns:
+      A function with ``fun``'s signature giving ``(value, grads)``: ``value``
+      unscaled (``(loss, aux)`` with ``has_aux``), ``grads`` the gradients of
+      the scaled loss, which :meth:`update` expects.
+
+    Raises:
+      TypeError: if ``argnums`` is not an int.
     """
     if isinstance(argnums, bool) or not isinstance(argnums, int):
       raise TypeError(f"argnums must be an int (the position of the model), got {argnums!r}.")
@@ -141,7 +153,17 @@ class Optimizer(nnx.Optimizer[M]):
     """Applies ``grads`` from :meth:`value_and_grad` (unscale, skip on overflow, adjust).
 
     As :meth:`flax.nnx.Optimizer.update`, and also takes the gradients of a
-    layer-wise loss scale (a :class:`~jmp_lite.LayerwiseGrads`).
+    layer-wise loss scale (a :class:`~jmp_lite.layerwise.LayerwiseGrads`).
+
+    Args:
+      model: the model the optimizer was built for; its ``wrt`` Variables are
+        updated in place.
+      grads: the gradients of the scaled loss.
+      **kwargs: extra arguments of ``tx.update`` (e.g. ``value=`` for
+        line-search optimizers).
+
+    Returns:
+      The updates applied (zero on a skipped step).
     """
     param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     updates, new_opt_state = self.tx.update(

@@ -39,7 +39,7 @@ from flax.training import train_state
 
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._loss_scale import LossScale, NoOpLossScale
-from jmp_lite._policy import Policy, get_policy
+from jmp_lite._policy import Policy
 from jmp_lite._transform import (
   LossScalingState,
   get_loss_scale,
@@ -48,7 +48,7 @@ from jmp_lite._transform import (
   scaled_value_and_grad,
 )
 from jmp_lite.flax._linen import policy_apply
-from jmp_lite.flax._module_policy import ModulePolicy
+from jmp_lite.flax._module_policy import ModulePolicies, ModulePolicy, as_module_policies
 from jmp_lite.flax._state import has_loss_scaling
 
 
@@ -72,7 +72,7 @@ class TrainState(train_state.TrainState):
     apply_fn: Callable[..., Any],
     params: Any,
     tx: optax.GradientTransformation,
-    policy: Policy | str | None = None,
+    policy: ModulePolicies | Policy | str | None = None,
     loss_scale: LossScale | None = None,
     overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
     **kwargs: Any,
@@ -86,19 +86,28 @@ class TrainState(train_state.TrainState):
         needed, so the optimizer state matches).
       tx: the optimizer. With ``loss_scale``, it is wrapped in
         :func:`jmp_lite.loss_scaling` (pass it unwrapped).
-      policy: the precision policy (a :class:`~jmp_lite.Policy` or string).
+      policy: the precision policy: a :class:`~jmp_lite.flax.ModulePolicies`,
+        or a :class:`~jmp_lite.Policy` or policy string.
       loss_scale: the initial loss scale, e.g. ``jl.DynamicLossScale(2.0 ** 15)``
         for fp16; ``None`` for no loss scaling (bf16 needs none).
-      overrides: per-module-class overrides for the policy, see
-        :class:`~jmp_lite.flax.ModulePolicies`.
+      overrides: per-module-class overrides for a ``Policy``, see
+        :class:`~jmp_lite.flax.ModulePolicies` (beside a ``ModulePolicies``
+        they must agree with its own).
       **kwargs: further fields of a subclass (e.g. ``batch_stats``).
+
+    Returns:
+      The state, its ``policy`` the :class:`~jmp_lite.Policy` ``apply_fn``
+      runs under (``None`` without ``policy``).
 
     Raises:
       TypeError: if ``policy`` is given but ``apply_fn`` is not ``model.apply``
         of a linen module; if ``overrides`` is given without ``policy``.
+      ValueError: for ``overrides`` that conflict with a ``ModulePolicies``.
     """
+    base_policy = None
     if policy is not None:
-      policy = get_policy(policy)
+      options = {} if overrides is None else {"overrides": overrides}
+      policies = as_module_policies(policy, options, "TrainState.create")
       module = getattr(apply_fn, "__self__", None)
       if not (
         isinstance(module, nn.Module) and getattr(apply_fn, "__func__", None) is nn.Module.apply
@@ -107,23 +116,27 @@ class TrainState(train_state.TrainState):
           "With policy=..., pass apply_fn=model.apply of a flax.linen module (got "
           f"{apply_fn!r}); or wrap it yourself with jmp_lite.flax.policy_apply and omit policy."
         )
-      apply_fn = policy_apply(module, policy, overrides=overrides)
-      params = policy.cast_to_param(params)
+      apply_fn = policy_apply(module, policies)
+      base_policy = policies.policy
+      params = base_policy.cast_to_param(params)
     elif overrides is not None:
       raise TypeError("overrides only apply together with policy=...; got policy=None.")
     if loss_scale is not None:
       tx = loss_scaling(tx, loss_scale)
-    state = super().create(apply_fn=apply_fn, params=params, tx=tx, policy=policy, **kwargs)
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, policy=base_policy, **kwargs)
     # Flax starts from the Python int 0; the first jitted step would return an
     # int32 array and the second call would compile the step again.
     return state.replace(step=jnp.zeros((), jnp.int32))
 
   @property
   def loss_scaling_state(self) -> LossScalingState:
-    """The :class:`~jmp_lite.transform.LossScalingState` in ``opt_state``.
+    """The :class:`~jmp_lite.LossScalingState` in ``opt_state``.
 
     Its ``skipped_steps``, ``consecutive_skips`` and ``last_finite`` are the
-    counters to log. Raises ``ValueError`` without loss scaling.
+    counters to log.
+
+    Raises:
+      ValueError: if ``tx`` has no loss scaling.
     """
     return get_loss_scaling_state(self.opt_state)
 
@@ -141,6 +154,13 @@ class TrainState(train_state.TrainState):
     ``params`` nor ``opt_state``'s inner state; the collections passed as
     ``kwargs`` (``batch_stats=`` computed in that step's forward pass) are then
     kept as they were too, so no NaN reaches the running statistics.
+
+    Args:
+      grads: the gradients of the *scaled* loss (from :meth:`value_and_grad`).
+      **kwargs: other fields to replace, as for Flax's ``apply_gradients``.
+
+    Returns:
+      The new state: ``step`` advanced by one (skipped steps included).
     """
     new = super().apply_gradients(grads=grads, **kwargs)
     if not kwargs or not has_loss_scaling(self.opt_state):
@@ -165,8 +185,14 @@ class TrainState(train_state.TrainState):
   ) -> Callable[..., tuple[Any, Any]]:
     """:func:`jax.value_and_grad` of ``fun`` times the current loss scale.
 
-    Returns a function with ``fun``'s signature giving ``(value, grads)``:
-    ``value`` is ``fun``'s own (unscaled) value, ``grads`` are the gradients of
-    the *scaled* loss, which :meth:`apply_gradients` expects.
+    Args:
+      fun: the loss function, e.g. of the parameters.
+      has_aux: as for :func:`jax.value_and_grad`: ``fun`` returns ``(loss, aux)``.
+      argnums: as for :func:`jax.value_and_grad`.
+
+    Returns:
+      A function with ``fun``'s signature giving ``(value, grads)``: ``value``
+      is ``fun``'s own (unscaled) value, ``grads`` are the gradients of the
+      *scaled* loss, which :meth:`apply_gradients` expects.
     """
     return scaled_value_and_grad(fun, self.loss_scale, has_aux=has_aux, argnums=argnums)

@@ -1,10 +1,5 @@
-"""Kept so that imports from ``jmp_lite.flax.linen`` keep working: the
-implementation is private (``jmp_lite.flax._linen``); use ``jmp_lite.flax.<name>``.
-"""
+"""Kept so that imports from this module path keep working; use ``jmp_lite.flax.<name>``."""
 
-from jmp_lite.flax._linen import (
-  policy_apply as policy_apply,
-)
-from jmp_lite.flax._linen import (
-  policy_init as policy_init,
-)
+from jmp_lite.flax._linen import policy_apply, policy_init
+
+__all__ = ["policy_apply", "policy_init"]

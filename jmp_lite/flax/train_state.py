@@ -1,7 +1,5 @@
-"""Kept so that imports from ``jmp_lite.flax.train_state`` keep working: the
-implementation is private (``jmp_lite.flax._train_state``); use ``jmp_lite.flax.<name>``.
-"""
+"""Kept so that imports from this module path keep working; use ``jmp_lite.flax.<name>``."""
 
-from jmp_lite.flax._train_state import (
-  TrainState as TrainState,
-)
+from jmp_lite.flax._train_state import TrainState
+
+__all__ = ["TrainState"]

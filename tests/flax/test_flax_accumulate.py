@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,8 @@ from flax_testing import (
   F32,
   check_hlo_products,
   check_lean_products,
+  hlo_products,
+  in_dtypes,
   out_dtype,
   products,
 )
@@ -290,5 +294,90 @@ def test_einsum_widens_the_kernel_gradient_wherever_einsum_puts_the_kernel(subsc
   exact_dk = jax.vjp(lambda b: plain(x.astype(F32), b), k.astype(F32))[1](g.astype(F32))[0]
   np.testing.assert_array_equal(f32(dk), f32(exact_dk.astype(BF16)))  # fp32 sum, rounded once
   jaxpr = jax.make_jaxpr(lambda a, b, c: jax.vjp(ours, a, b)[1](c))(x, k, g)
-  wide = [e for e in products(jaxpr) if out_dtype(e) == F32]
+  # The product off CPU (on CPU its operands are widened first: see the tests below).
+  wide = [e for e in products(jaxpr) if out_dtype(e) == F32 and in_dtypes(e) == (BF16, BF16)]
   assert len(wide) == 1 and sorted(wide[0].outvars[0].aval.shape) == sorted(k.shape)
+
+
+# Kernel gradients under rhs_grad_dtype=float32 (a bf16 x bf16 -> f32 product). Into "dense"'s
+# (a Dense layer on [batch, length, features]) XLA:CPU folds a transpose of the result, a form
+# it then cannot run on bf16 operands ("Unsupported element type for DotThunk: BF16 x BF16 =
+# F32"); the other layers' forms ran before too.
+# name: (input shape, kernel shape, dimension numbers or einsum subscripts)
+WIDE_GRADIENTS = {
+  "dense": ((2, 8, 16), (16, 32), (((2,), (0,)), ((), ()))),
+  "dense_2d": ((16, 16), (16, 32), (((1,), (0,)), ((), ()))),
+  "dense_general": ((2, 8, 16), (16, 2, 8), (((2,), (0,)), ((), ()))),
+  "attention_out": ((2, 8, 2, 8), (2, 8, 16), (((2, 3), (0, 1)), ((), ()))),
+  "einsum": ((2, 8, 16), (16, 2, 8), "btd,dhk->bthk"),
+}
+
+
+def _layer_product(spec):
+  """The product of a WIDE_GRADIENTS case: the layer's input times its kernel."""
+  if isinstance(spec, str):
+    return lambda a, b, **kw: jlf.einsum(spec, a, b, **kw)
+  return lambda a, b, **kw: jlf.dot_general(a, b, spec, **kw)
+
+
+def _integers(shape, seed):
+  """Small integers and one 512: exact fp32 sums that a 16-bit accumulator would round."""
+  x = np.random.default_rng(seed).integers(-2, 3, shape).astype(np.float32)
+  x.flat[0] = 512.0
+  return x
+
+
+@jax.jit
+def _wide_gradients(operands, cotangents):
+  """Per case: both gradients with rhs_grad_dtype=float32 and without it."""
+  results = {}
+  for name, (_, _, spec) in WIDE_GRADIENTS.items():
+    product = _layer_product(spec)
+    wide = functools.partial(product, rhs_grad_dtype=F32)
+    results[name] = tuple(jax.vjp(p, *operands[name])[1](cotangents[name]) for p in (wide, product))
+  return results
+
+
+def test_wide_kernel_gradients_run_on_cpu():
+  # Jitted (where XLA:CPU folds the transpose): the kernel gradient is the exact fp32 sum
+  # rounded once, as without the option (on one device the two differ only in the dtype
+  # they would be reduced in across devices); the input gradient is untouched.
+  operands, cotangents = {}, {}
+  for seed, (name, (x_shape, w_shape, spec)) in enumerate(WIDE_GRADIENTS.items()):
+    x, w = _integers(x_shape, 3 * seed).astype(BF16), _integers(w_shape, 3 * seed + 1).astype(BF16)
+    operands[name] = x, w
+    out = jax.eval_shape(_layer_product(spec), x, w)
+    cotangents[name] = _integers(out.shape, 3 * seed + 2).astype(BF16)
+  results = _wide_gradients(operands, cotangents)
+  for name, ((dx, dw), (ref_dx, ref_dw)) in results.items():
+    x, w, g = (a.astype(F32) for a in (*operands[name], cotangents[name]))
+    _, exact_dw = jax.vjp(_layer_product(WIDE_GRADIENTS[name][2]), x, w)[1](g)
+    assert dw.dtype == BF16 and dx.dtype == BF16, name
+    np.testing.assert_array_equal(f32(dw), f32(exact_dw.astype(BF16)), err_msg=name)
+    np.testing.assert_array_equal(f32(dw), f32(ref_dw), err_msg=name)
+    np.testing.assert_array_equal(f32(dx), f32(ref_dx), err_msg=name)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_wide_kernel_gradient_keeps_16bit_operands_off_cpu(monkeypatch, platform):
+  # Only XLA:CPU gets widened operands. Lowered for a GPU or TPU, the kernel gradient is the
+  # bf16 x bf16 -> f32 product (stating fp32 accumulation on TPU) and no product of the CPU
+  # form is left; the same trace lowered for CPU has it.
+  monkeypatch.setattr(accumulate, "_platform", lambda: "tpu" if platform == "tpu" else "gpu")
+  x, w = _random((2, 8, 16), 0, BF16), _random((16, 32), 1, BF16)
+  dims = (((2,), (0,)), ((), ()))
+  loss = lambda a, b: jnp.sum(jlf.dot_general(a, b, dims, rhs_grad_dtype=F32).astype(F32) ** 2)
+  traced = jax.jit(jax.grad(loss, (0, 1))).trace(x, w)
+  hlo = traced.lower(lowering_platforms=(platform,)).as_text()
+  declared = platform == "tpu"
+  assert check_hlo_products(hlo, wide=1, declared=declared) == 3  # forward, both gradients
+  assert {types for *_, types in _operand_types(hlo)} == {("bf16", "bf16")}
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert check_hlo_products(cpu, declared=declared) == 2  # the forward, the input gradient
+  assert ("32x16xf32", ("f32", "f32")) in _operand_types(cpu)  # the kernel gradient, transposed
+
+
+def _operand_types(hlo):
+  """(result type, (lhs dtype, rhs dtype)) of every product in StableHLO text."""
+  dtype = lambda t: t.split("x")[-1]
+  return [(result, (dtype(lhs), dtype(rhs))) for _, _, lhs, rhs, result in hlo_products(hlo)]

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax_testing import BF16, F16, F32, jit, leaf_rel_errors
+from flax_testing import BF16, F16, F32, LinenLM, jit, leaf_rel_errors, lm_loss, tokens
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -697,3 +697,40 @@ def test_policy_apply_attention_matches_fp32_flax(data, seed):
   ):
     if rate > 0:
       assert max(_attention_errors(grads, ref_grads).values()) > 0.2, kind
+
+
+# --------------------------------------------------------------------------------------------
+# grad_reduction_dtype=float32 on the transformer LM: runs on XLA:CPU (its kernel gradients are
+# products XLA:CPU cannot run on 16-bit operands) and changes no value beyond bf16 rounding.
+
+
+@jit
+def _lm_steps(params, toks):
+  """Loss and gradients: the policy with fp32 gradient reduction, without it, plain fp32 Flax."""
+  model = LinenLM()
+  applies = (
+    jlf.policy_apply(model, POLICY, grad_reduction_dtype=F32),
+    jlf.policy_apply(model, POLICY),
+    model.apply,
+  )
+  step = lambda apply: jax.value_and_grad(lambda p: lm_loss(apply({"params": p}, toks), toks))
+  return [step(apply)(params) for apply in applies]
+
+
+def test_policy_apply_with_fp32_gradient_reduction_runs_the_lm_on_cpu():
+  toks = tokens()
+  params = _host_variables(np.random.default_rng(0), LinenLM(), toks)["params"]
+  (loss, grads), (ref_loss, ref_grads), (fp32_loss, fp32_grads) = _lm_steps(params, toks)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+  # The forward pass is the same program; the gradients differ by the rounding of
+  # intermediates wherever XLA fuses the two backward passes differently.
+  np.testing.assert_allclose(loss, ref_loss, rtol=2**-8)
+  errors = leaf_rel_errors(grads, ref_grads)
+  assert max(errors.values()) <= 2**-7, errors
+  # Against fp32 Flax, as the modules above: the key bias's gradient is rounding noise
+  # (see _attention_errors).
+  for ours in (grads, ref_grads):
+    errors = leaf_rel_errors(ours, fp32_grads)
+    del errors["['LinenBlock_0']['MultiHeadDotProductAttention_0']['key']['bias']"]
+    assert max(errors.values()) <= 0.05, errors
+  np.testing.assert_allclose(loss, fp32_loss, rtol=0.01)

@@ -1,5 +1,7 @@
 """fp8 for Flax layers (linen and NNX), and agreement with flax.linen.fp8_ops."""
 
+import concurrent.futures
+import contextlib
 import functools
 
 import flax.linen as nn
@@ -151,12 +153,17 @@ def test_linen_apply_needs_the_state_but_not_the_probes():
   variables = layers_variables()
   with flax_fp8.linen_fp8(CONFIG):
     out = Layers().apply(variables, x)  # evaluation: no probes, nothing observed
-    assert out["dense"].shape == (6, 5)
     with pytest.raises(ValueError, match="dense runs in fp8 but has no 'fp8_state'"):
       Layers().apply({"params": variables["params"]}, x)
     # With a mutable collection, apply creates the state (e.g. for a model built later).
     _, created = Layers().apply({"params": variables["params"]}, x, mutable=["fp8_state"])
+  p, state = variables["params"]["dense"], variables["fp8_state"]["dense"]["fp8_dot"]
+  want = fp8.dot_general(x, p["kernel"], DENSE, state) + p["bias"]
+  np.testing.assert_allclose(out["dense"], want, rtol=1e-6, atol=1e-6)
   assert set(created["fp8_state"]) == {"dense", "general", "einsum"}
+  fresh = fp8.init_dot_state(CONFIG)
+  for layer in created["fp8_state"].values():
+    jax.tree.map(np.testing.assert_array_equal, layer[flax_fp8.VARIABLE_NAME], fresh)
 
 
 def test_linen_interceptor_composes_with_an_inner_interceptor():
@@ -268,13 +275,47 @@ def test_linen_fp8_policy_spellings():
   x = inputs()
   off = linen_init_shapes(Layers(), x, "p=f32,c=f32,o=f32,fp8=none")
   assert "fp8_state" not in off
-  on = linen_init_shapes(Layers(), x, fp8.get_fp8_policy("p=f32,c=f32,o=f32,fp8=hybrid"))
+  policy = fp8.get_fp8_policy("p=f32,c=f32,o=f32,fp8=hybrid", amax_history_length=3)
+  on = linen_init_shapes(Layers(), x, policy)
   assert set(on["fp8_state"]) == {"dense", "general", "einsum"}
+  history = on["fp8_state"]["dense"][flax_fp8.VARIABLE_NAME].output_grad.amax_history
+  assert history.shape == (3,)  # the policy's config made the state
   # The fp8 compute dtype spelling, which jmp_lite.get_policy parses, works too.
   spelled = linen_init_shapes(Layers(), x, "p=f32,c=f8e4m3")
   assert set(spelled["fp8_state"]) == set(on["fp8_state"])
+  history = spelled["fp8_state"]["einsum"][flax_fp8.VARIABLE_NAME].input.amax_history
+  assert history.shape == (fp8.Fp8Config().amax_history_length,)
   with pytest.raises(TypeError, match="Expected an Fp8Config"):
     flax_fp8.linen_interceptor(3)
+
+
+def test_loss_scale_scopes_nest_and_stay_in_their_thread():
+  """The ops read the innermost loss_scale_scope when traced; another thread sees none."""
+  x = inputs()
+  dense = nn.Dense(3)
+  variables = linen_init(dense, x)
+
+  def observed_grad_amax(loss_scale_scopes=()):
+    def loss(amax):
+      with nn.intercept_methods(flax_fp8.linen_interceptor(CONFIG)):  # sets no loss scale
+        y = dense.apply({**variables, flax_fp8.AMAX_COLLECTION: amax}, x)
+      return jnp.sum(y) * 8.0  # output gradients of 8: a loss scaled by 8
+
+    probes = fp8.zeros_amax(variables[flax_fp8.STATE_COLLECTION])
+    with contextlib.ExitStack() as stack:
+      for loss_scale in loss_scale_scopes:
+        stack.enter_context(flax_fp8.loss_scale_scope(loss_scale))
+      amax = jax.grad(loss)(probes)
+    return float(amax[flax_fp8.VARIABLE_NAME].output_grad)
+
+  assert observed_grad_amax() == 8.0  # no scope: loss scale 1
+  assert observed_grad_amax([8.0]) == 1.0  # recorded unscaled
+  assert observed_grad_amax([2.0, jl.StaticLossScale(jnp.float32(8.0))]) == 1.0  # innermost
+  assert observed_grad_amax([2.0, None]) == 8.0  # None is a scale of 1, not "inherit"
+  with flax_fp8.loss_scale_scope(4.0):
+    assert observed_grad_amax() == 2.0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      assert pool.submit(observed_grad_amax).result() == 8.0
 
 
 # NNX -----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from flax_testing import (
   tokens,
 )
 
+import jmp_lite as jl
 import jmp_lite.flax as jlf
 
 POLICY = "p=f32,c=bf16,o=f32"
@@ -189,7 +190,14 @@ def test_overrides_are_honoured(lm):
   jaxpr = loss(jlf.policy_apply(model, POLICY, overrides=all_fp32))
   assert check_lean_products(jaxpr) == 0 and products(jaxpr)
   assert all(in_dtypes(e) == (F32, F32) for e in products(jaxpr))
-  # LayerNorm's default removed: its statistics are bf16 now.
+  # LayerNorm's default removed: no fp32 islands, so none recomputed (Flax's LayerNorm
+  # reduces in fp32 either way). With the default, the three LayerNorms are.
+  remats = lambda apply: sum(
+    e.primitive.name in ("remat2", "checkpoint")
+    for e in eqns(jax.make_jaxpr(lambda p: apply({"params": p}, toks))(variables["params"]))
+  )
+  assert remats(jlf.policy_apply(model, POLICY)) == 3
+  assert remats(jlf.policy_apply(model, POLICY, overrides={nn.LayerNorm: None})) == 0
   # A user attribute beats jmp_lite's kernel: Flax's attention, bf16 softmax.
   flax_attention = jlf.ModulePolicy(attributes={"attention_fn": nn.dot_product_attention})
   jaxpr = loss(
@@ -208,6 +216,37 @@ def test_overrides_are_honoured(lm):
   )
   (dense_out,) = state["intermediates"]["LinenBlock_0"]["Dense_0"]["__call__"]
   assert dense_out.dtype == F32
+
+
+# Options away from their defaults, each changing the LM's program (explicit_dtypes, which
+# changes it only for modules built with a dtype=, is tested with such a model below).
+OPTIONS = {
+  "overrides": {nn.DenseGeneral: "f32"},
+  "use_default_overrides": False,
+  "fp32_softmax": False,
+  "grad_reduction_dtype": F32,
+}
+
+
+def test_a_module_policies_runs_the_model_as_its_keywords_do(lm):
+  model, toks, variables = lm
+  policies = jlf.ModulePolicies(POLICY, **OPTIONS)
+  by_object = jlf.policy_apply(model, policies)
+  by_keywords = jlf.policy_apply(model, POLICY, **OPTIONS)
+  step = lambda apply: jax.value_and_grad(lambda p: lm_loss(apply({"params": p}, toks), toks))
+  program = lambda apply: str(jax.make_jaxpr(step(apply))(variables["params"]))
+  assert program(by_object) == program(by_keywords) != program(jlf.policy_apply(model, POLICY))
+  (loss, grads), (ref_loss, ref_grads) = (
+    jit(step(apply))(variables["params"]) for apply in (by_object, by_keywords)
+  )
+  np.testing.assert_array_equal(loss, ref_loss)
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)
+  assert by_object.policy == jl.get_policy(POLICY)
+  # A keyword that agrees with the object is accepted; one that conflicts is refused.
+  assert program(jlf.policy_apply(model, policies, fp32_softmax=False)) == program(by_object)
+  with pytest.raises(ValueError, match=r"^policy_apply: fp32_softmax=True conflicts with the Mod"):
+    jlf.policy_apply(model, policies, fp32_softmax=True)
 
 
 def _dtypes_in(jaxpr) -> set:
@@ -460,6 +499,34 @@ def test_explicit_module_dtypes_are_kept_and_named_once_per_trace():
   assert check_lean_products(jax.make_jaxpr(plain)(variables, x), wide=1) == 3
 
 
+def test_policy_init_and_apply_take_every_option_from_a_module_policies():
+  model, x, key = ExamplesModel(), jnp.ones((2, 4)), jax.random.key(0)
+  keep = jlf.ModulePolicies(POLICY, explicit_dtypes="keep")
+  # The object's explicit_dtypes reaches init: silent where the policy string warns,
+  # and the same parameters as the keyword.
+  assert len(explicit_dtype_warnings(jax.eval_shape, jlf.policy_init(model, POLICY), key, x)) == 1
+  assert not explicit_dtype_warnings(jax.eval_shape, jlf.policy_init(model, keep), key, x)
+  variables = jlf.policy_init(model, keep)(key, x)
+  ref = jlf.policy_init(model, POLICY, explicit_dtypes="keep")(key, x)
+  assert jax.tree.structure(variables) == jax.tree.structure(ref)
+  jax.tree.map(np.testing.assert_array_equal, variables, ref)
+  half = jlf.policy_init(model, jlf.ModulePolicies("p=bf16,c=bf16,o=bf16", explicit_dtypes="keep"))
+  assert {p.dtype for p in jax.tree.leaves(half(key, x))} == {BF16}
+  # ... and apply: "policy" gives the layers the policy's dtype, as the keyword does.
+  wins = jlf.ModulePolicies(POLICY, explicit_dtypes="policy")
+  program = lambda apply: jax.make_jaxpr(apply)(variables, x)
+  assert not explicit_dtype_warnings(program, jlf.policy_apply(model, wins))
+  by_keyword = program(jlf.policy_apply(model, POLICY, explicit_dtypes="policy"))
+  assert str(program(jlf.policy_apply(model, wins))) == str(by_keyword)
+  assert check_lean_products(by_keyword, wide=1) == 3  # bf16 products, not the fp32 ones
+  np.testing.assert_array_equal(
+    jlf.policy_apply(model, wins)(variables, x),
+    jlf.policy_apply(model, POLICY, explicit_dtypes="policy")(variables, x),
+  )
+  with pytest.raises(ValueError, match=r"^policy_init: explicit_dtypes='warn' conflicts"):
+    jlf.policy_init(model, keep, explicit_dtypes="warn")
+
+
 @pytest.mark.parametrize(
   "make, error, match",
   [
@@ -473,6 +540,12 @@ def test_explicit_module_dtypes_are_kept_and_named_once_per_trace():
     (lambda: jlf.policy_init(object(), POLICY), TypeError, "expects a flax.linen Module"),
     (lambda: jlf.policy_apply(nn.Dense(3), POLICY, explicit_dtypes="ignore"), ValueError,
      "explicit_dtypes must be one of 'warn', 'keep', 'policy'; got 'ignore'"),
+    (lambda: jlf.policy_apply(nn.Dense(3), 3), TypeError,
+     "policy_apply expects a policy: a jmp_lite.Policy, a policy string or a "),
+    (lambda: jlf.policy_init(nn.Dense(3), POLICY, fp32_softmx=False), TypeError,
+     r"policy_init got unexpected keyword argument\(s\) 'fp32_softmx'"),
+    (lambda: jlf.policy_apply(nn.Dense(3), POLICY, fp32_softmax="no"), TypeError,
+     "fp32_softmax must be a bool, got 'no'"),
   ],
 )  # fmt: skip
 def test_bad_input_is_rejected(make, error, match):

@@ -7,7 +7,7 @@ from jax import lax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
-from jmp_lite.flax._module_policy import explicit_dtype
+from jmp_lite.flax._module_policy import as_module_policies, explicit_dtype
 
 POLICY = "p=f32,c=bf16,o=f32"
 
@@ -90,7 +90,10 @@ def test_modules_without_override_inherit_the_enclosing_one():
   norm = policies.resolve(nn.LayerNorm, block)  # an fp32 island inside an fp32 block
   assert (norm.compute_dtype, norm.output_dtype, norm.recompute) == (F32, F32, False)
   half = policies.resolve(nn.Dense, policies.resolve(nn.Dense))
-  assert (half.compute_dtype, half.output_dtype) == (BF16, BF16) and half.hooks
+  assert (half.compute_dtype, half.output_dtype) == (BF16, BF16)
+  assert [(h.cls, h.attribute, h.replacement) for h in half.hooks] == [
+    (nn.Dense, "dot_general", jlf.dot_general)
+  ]
 
 
 def test_recompute_only_for_islands():
@@ -159,7 +162,92 @@ def test_module_policies_are_values():
   assert a == jlf.ModulePolicies(jl.get_policy(POLICY), {nn.Dense: F32})
   assert hash(a) == hash(jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}))
   assert a != jlf.ModulePolicies(POLICY)
-  assert "flax.linen.linear.Dense" in repr(a)
+  # The policy, then every class with an entry (the defaults first).
+  text = repr(a)
+  assert text.startswith("ModulePolicies(p=f32,c=bf16,o=f32, overrides=[flax.linen."), text
+  assert text.endswith(", flax.linen.linear.Dense])") and text.count(", ") == 13, text
+  # Options away from their defaults are shown too.
+  bare = jlf.ModulePolicies(POLICY, use_default_overrides=False, fp32_softmax=False)
+  assert repr(bare) == "ModulePolicies(p=f32,c=bf16,o=f32, overrides=[], fp32_softmax=False)"
+  # Equal by what they do: the defaults given by hand are the defaults.
+  assert jlf.ModulePolicies(POLICY, jlf.DEFAULT_OVERRIDES, use_default_overrides=False) == (
+    jlf.ModulePolicies(POLICY)
+  )
+  with pytest.raises(AttributeError, match="ModulePolicies is immutable"):
+    a.fp32_softmax = False
+  assert a.fp32_softmax is True
+
+
+# Every option but one away from its default.
+OPTIONS = dict(
+  overrides={nn.Dense: "f32"},
+  use_default_overrides=False,
+  fp32_accumulation=True,  # (the default: fp32_accumulation=False refuses grad_reduction_dtype)
+  fp32_softmax=False,
+  grad_reduction_dtype="float32",
+  explicit_dtypes="keep",
+)
+
+
+def test_option_keywords_fold_into_one_module_policies():
+  folded = as_module_policies(POLICY, OPTIONS, "policy_apply")
+  assert folded == jlf.ModulePolicies(POLICY, **OPTIONS)
+  assert dict(folded.overrides) == {nn.Dense: jlf.FP32}
+  assert (folded.fp32_accumulation, folded.fp32_softmax) == (True, False)
+  assert (folded.grad_reduction_dtype, folded.explicit_dtypes) == (F32, "keep")
+  assert as_module_policies(jl.get_policy(POLICY), {}, "f") == jlf.ModulePolicies(POLICY)
+  # A ModulePolicies is used as it is, alone or with keywords that agree with it
+  # (by what they do: float32 spelled otherwise, the default overrides given again).
+  assert as_module_policies(folded, {}, "f") is folded
+  assert as_module_policies(folded, OPTIONS, "f") is folded
+  assert as_module_policies(folded, {"grad_reduction_dtype": jnp.float32}, "f") is folded
+  default = jlf.ModulePolicies(POLICY)
+  same = {"overrides": None, "use_default_overrides": True, "explicit_dtypes": "warn"}
+  assert as_module_policies(default, same, "f") is default
+  assert as_module_policies(default, {"overrides": jlf.DEFAULT_OVERRIDES}, "f") is default
+
+
+@pytest.mark.parametrize(
+  "options, named",
+  [
+    ({"fp32_softmax": True}, "fp32_softmax=True"),
+    ({"overrides": {nn.Dense: "bf16"}}, "overrides={<class 'flax.linen.linear.Dense'>: 'bf16'}"),
+    ({"overrides": None}, "overrides=None"),
+    ({"use_default_overrides": True}, "use_default_overrides=True"),
+    ({"grad_reduction_dtype": None}, "grad_reduction_dtype=None"),
+    ({"explicit_dtypes": "warn"}, "explicit_dtypes='warn'"),
+    # Only the keywords that conflict are named.
+    ({"fp32_softmax": False, "explicit_dtypes": "policy"}, "explicit_dtypes='policy' conflicts"),
+  ],
+)
+def test_keywords_that_conflict_with_a_module_policies_are_refused(options, named):
+  policies = jlf.ModulePolicies(POLICY, **OPTIONS)
+  with pytest.raises(ValueError) as error:
+    as_module_policies(policies, options, "policy_view")
+  message = str(error.value)
+  assert message.startswith(f"policy_view: {named}"), message
+  assert "conflicts with the ModulePolicies passed as policy (ModulePolicies(" in message
+
+
+@pytest.mark.parametrize(
+  "policy, options, error, match",
+  [
+    (POLICY, {"fp32_softmx": False}, TypeError,
+     r"policy_apply got unexpected keyword argument\(s\) 'fp32_softmx'; its options are "
+     "overrides, use_default_overrides, fp32_accumulation"),
+    (3, {}, TypeError, "policy_apply expects a policy: .* got 3 of type int"),
+    ({"compute": "bf16"}, {}, TypeError, "got {'compute': 'bf16'} of type dict"),
+    (POLICY, {"fp32_softmax": "no"}, TypeError, "fp32_softmax must be a bool, got 'no'"),
+    (POLICY, {"fp32_accumulation": 1}, TypeError, "fp32_accumulation must be a bool, got 1"),
+    (POLICY, {"use_default_overrides": None}, TypeError,
+     "use_default_overrides must be a bool, got None"),
+    (POLICY, {"grad_reduction_dtype": "bf16"}, ValueError,
+     "grad_reduction_dtype must be None .* or float32, got 'bf16'"),
+  ],
+)  # fmt: skip
+def test_entry_point_arguments_are_validated_in_one_place(policy, options, error, match):
+  with pytest.raises(error, match=match):
+    as_module_policies(policy, options, "policy_apply")
 
 
 def test_explicit_module_dtypes_are_kept_or_replaced():

@@ -203,6 +203,40 @@ def test_overrides_are_honoured():
   assert heads and {out_dtype(e) for e in heads} == {BF16}
 
 
+# Options away from their defaults, each changing the LM's program, or (explicit_dtypes:
+# NNX's Embed has dtype=float32, the policy without the defaults bf16) its warnings.
+OPTIONS = {
+  "overrides": {nnx.LinearGeneral: "f32"},
+  "use_default_overrides": False,
+  "fp32_softmax": False,
+  "grad_reduction_dtype": F32,
+  "explicit_dtypes": "keep",
+}
+
+
+def test_a_module_policies_runs_the_view_as_its_keywords_do():
+  model = NnxLM(rngs=nnx.Rngs(0))
+  policies = jlf.ModulePolicies(POLICY, **OPTIONS)
+  by_object, params = _param_fn(model, _lm_loss(policies))
+  by_keywords, _ = _param_fn(model, _lm_loss(**OPTIONS))
+  program = lambda loss: str(jax.make_jaxpr(jax.value_and_grad(loss))(params))
+  assert program(by_object) == program(by_keywords) != program(_param_fn(model, _lm_loss())[0])
+  assert not explicit_dtype_warnings(program, by_object)
+  warned, _ = _param_fn(model, _lm_loss(use_default_overrides=False))
+  assert len(explicit_dtype_warnings(program, warned)) == 1
+  (loss, grads), (ref_loss, ref_grads) = (
+    jit(jax.value_and_grad(fn))(params) for fn in (by_object, by_keywords)
+  )
+  np.testing.assert_array_equal(loss, ref_loss)
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)
+  # A keyword that agrees with the object is accepted; one that conflicts is refused.
+  view = jlf.policy_view(model, policies, overrides={nnx.LinearGeneral: F32})
+  assert isinstance(view, jlf.PolicyModule) and view.block.attn.query.kernel.dtype == F32
+  with pytest.raises(ValueError, match=r"^policy_view: grad_reduction_dtype=None conflicts"):
+    jlf.policy_view(model, policies, grad_reduction_dtype=None)
+
+
 def test_methods_and_attributes_read_through_the_view():
   model = NnxLM(rngs=nnx.Rngs(0))
   view = jlf.policy_view(model, POLICY)
@@ -340,6 +374,16 @@ class Pair(nnx.Module):
       lambda: jlf.policy_view(Pair(nnx.Rngs(0)), POLICY, explicit_dtypes=None),
       ValueError,
       "explicit_dtypes must be one of 'warn', 'keep', 'policy'; got None",
+    ),
+    (
+      lambda: jlf.policy_view(Pair(nnx.Rngs(0)), jax.numpy.bfloat16),
+      TypeError,
+      "policy_view expects a policy: .* got <class 'jax.numpy.bfloat16'>",
+    ),
+    (
+      lambda: jlf.policy_view(Pair(nnx.Rngs(0)), POLICY, overides={}),
+      TypeError,
+      r"policy_view got unexpected keyword argument\(s\) 'overides'",
     ),
   ],
 )

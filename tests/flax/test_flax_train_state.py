@@ -104,9 +104,37 @@ def test_params_are_stored_in_the_policy_param_dtype():
   state = jlf.TrainState.create(
     apply_fn=model.apply, params=params, tx=optax.sgd(1.0), policy="bf16"
   )
-  assert {p.dtype for p in jax.tree.leaves((state.params, state.opt_state))} <= {
+  assert {p.dtype for p in jax.tree.leaves((state.params, state.opt_state))} == {
     np.dtype(jnp.bfloat16)
   }
+
+
+def test_create_takes_a_module_policies():
+  model, x = nn.Sequential([nn.Dense(4), nn.LayerNorm()]), jnp.ones((2, 3))
+  params = jit(model.init)(jax.random.key(0), x)["params"]
+  create = lambda **kw: jlf.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax.adam(1e-3), **kw
+  )
+  policies = jlf.ModulePolicies("p=bf16,c=bf16,o=f32", {nn.Dense: "f32"})
+  state = create(policy=policies)
+  ref = create(policy="p=bf16,c=bf16,o=f32", overrides={nn.Dense: "f32"})
+  assert state.policy == ref.policy == jl.get_policy("p=bf16,c=bf16,o=f32")
+  # The params (and so Adam's moments) in the object's param dtype, as with the string.
+  adam = state.opt_state[0]
+  assert {p.dtype for p in jax.tree.leaves((state.params, adam.mu, adam.nu))} == {
+    np.dtype(jnp.bfloat16)
+  }
+  jax.tree.map(np.testing.assert_array_equal, state.params, ref.params)
+  # apply_fn runs under the object: its override too (the Dense in fp32).
+  program = lambda s: str(jax.make_jaxpr(s.apply_fn)({"params": s.params}, x))
+  assert program(state) == program(ref) != program(create(policy="p=bf16,c=bf16,o=f32"))
+  np.testing.assert_array_equal(
+    state.apply_fn({"params": state.params}, x), ref.apply_fn({"params": ref.params}, x)
+  )
+  # overrides beside the object must agree with it.
+  assert program(create(policy=policies, overrides={nn.Dense: "f32"})) == program(state)
+  with pytest.raises(ValueError, match=r"^TrainState\.create: overrides=.* conflicts with the"):
+    create(policy=policies, overrides={nn.Dense: "f16"})
 
 
 @pytest.mark.parametrize(

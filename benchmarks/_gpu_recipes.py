@@ -1,0 +1,323 @@
+"""benchmarks/gpu.py's recipes: one train step per way of running the transformer LM.
+
+A :class:`Recipe` builds a :class:`Step` (the state's ``init`` and the jitted ``step``) for a
+model configuration of ``benchmarks/memory.py``'s ``TransformerLM``; :data:`RECIPES` is issue
+14's table, in its order: fp32 (``highest`` and default precision), Flax layers with
+``dtype=bfloat16``, ``jmp_lite.flax.policy_apply`` in bf16 and fp16 (with and without loss
+scaling), Flax's ``DynamicScale``, diagnostics (no accumulation preset, a ``lax.cond`` skip) and
+fp8 (``linen_fp8`` over the bf16 policy). Every recipe trains with AdamW on the next-token loss.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.training.dynamic_scale
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+from benchmarks._common import no_declared_accumulation
+from benchmarks.memory import TransformerLM, lm_loss
+from jmp_lite.flax import fp8 as flax_fp8
+
+LEARNING_RATE = 1e-4
+INITIAL_LOSS_SCALE = 2.0**15
+FP8_HISTORY = 16  # the examples' amax history length
+BF16_POLICY = "params=float32,compute=bfloat16,output=float32"
+FP16_POLICY = "params=float32,compute=float16,output=float32"
+
+
+class Step(NamedTuple):
+  """A recipe's train step on one model.
+
+  ``init(params, tokens)`` builds the state (with whatever runs once before training, e.g. fp8
+  calibration); ``step(state, tokens)`` returns the next state and the step's loss; it is traced
+  under ``jax.default_matmul_precision(precision)`` when that is set.
+  """
+
+  init: Callable[[Any, jax.Array], Any]
+  step: Callable[[Any, jax.Array], tuple[Any, jax.Array]]
+  precision: str | None = None
+
+
+class Recipe(NamedTuple):
+  label: str
+  build: Callable[[dict[str, int]], Step]  # model config -> Step
+
+
+def fast_compile_options() -> dict[str, Any]:
+  """XLA options for programs whose speed does not matter (run once, or a smoke run): the slow
+  optimizations and the gemm autotuning would cost more compile time than they save."""
+  if jax.default_backend() == "cpu":
+    return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+  return {"xla_gpu_autotune_level": 0}
+
+
+def compile_with(lowered: Any, options: dict[str, Any] | None) -> Any:
+  if options:
+    try:
+      return lowered.compile(options)
+    except Exception:  # an option this jaxlib does not know; a real error comes again below
+      pass
+  return lowered.compile()
+
+
+def run_once(fn: Callable, *args: Any) -> Any:
+  """``jax.jit(fn)(*args)``, compiled with :func:`fast_compile_options`."""
+  return compile_with(jax.jit(fn).lower(*args), fast_compile_options())(*args)
+
+
+def with_flax_dtype(dtype: Any = None) -> Callable[[dict[str, int]], Callable]:
+  """The model as written; with ``dtype``, every layer built with Flax's ``dtype=``."""
+
+  def make(config):
+    model = TransformerLM(**config, dtype=dtype)
+    return lambda params, tokens: model.apply({"params": params}, tokens)
+
+  return make
+
+
+def with_policy(spec: str) -> Callable[[dict[str, int]], Callable]:
+  """The model as written, run by :func:`jmp_lite.flax.policy_apply` under ``spec``."""
+
+  def make(config):
+    apply = jlf.policy_apply(TransformerLM(**config), spec)
+    return lambda params, tokens: apply({"params": params}, tokens)
+
+  return make
+
+
+def adamw_step(make_apply: Callable, precision: str | None = None) -> Callable[[dict], Step]:
+  def build(config):
+    apply, tx = make_apply(config), optax.adamw(LEARNING_RATE)
+    loss_fn = lambda params, tokens: lm_loss(apply(params, tokens), tokens)
+
+    def step(state, tokens):
+      params, opt_state = state
+      loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    return Step(lambda params, tokens: (params, tx.init(params)), step, precision)
+
+  return build
+
+
+def loss_scaled_step(make_apply: Callable) -> Callable[[dict], Step]:
+  """``jl.loss_scaling(adamw, jl.DynamicLossScale)`` with ``jl.scaled_value_and_grad``."""
+
+  def build(config):
+    apply = make_apply(config)
+    tx = jl.loss_scaling(
+      optax.adamw(LEARNING_RATE), jl.DynamicLossScale(jnp.float32(INITIAL_LOSS_SCALE))
+    )
+    loss_fn = lambda params, tokens: lm_loss(apply(params, tokens), tokens)
+
+    def step(state, tokens):
+      params, opt_state = state
+      loss, grads = jl.scaled_value_and_grad(loss_fn, opt_state)(params, tokens)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    return Step(lambda params, tokens: (params, tx.init(params)), step)
+
+  return build
+
+
+def cond_skip_step(make_apply: Callable) -> Callable[[dict], Step]:
+  """Loss scaling that skips a non-finite step with a ``lax.cond`` around the update.
+
+  A candidate design (not the library's): the inner update and its application run only on a
+  finite step, instead of being computed and then discarded by a select.
+  """
+
+  def build(config):
+    apply, tx = make_apply(config), optax.adamw(LEARNING_RATE)
+    loss_fn = lambda params, tokens: lm_loss(apply(params, tokens), tokens)
+
+    def init(params, tokens):
+      return params, tx.init(params), jl.DynamicLossScale(jnp.float32(INITIAL_LOSS_SCALE))
+
+    def step(state, tokens):
+      params, opt_state, scale = state
+      loss, grads = scale.value_and_grad(loss_fn)(params, tokens)
+      grads, finite, scale = scale.unscale_and_adjust(grads, params)
+
+      def apply_update(params, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+      params, opt_state = lax.cond(finite, apply_update, lambda p, o: (p, o), params, opt_state)
+      return (params, opt_state, scale), loss
+
+    return Step(init, step)
+
+  return build
+
+
+def undeclared(make_apply: Callable) -> Callable[[dict], Callable]:
+  """``make_apply``'s model traced as on a backend where jmp_lite declares no accumulation.
+
+  A diagnostic (the cost of ``precision=DotAlgorithmPreset...``); see
+  :func:`benchmarks._common.no_declared_accumulation`.
+  """
+
+  def make(config):
+    apply = make_apply(config)
+
+    def traced(*args):
+      with no_declared_accumulation():
+        return apply(*args)
+
+    return traced
+
+  return make
+
+
+def flax_dynamic_scale_step(make_apply: Callable) -> Callable[[dict], Step]:
+  """Flax's own recipe: ``DynamicScale.value_and_grad``, the update kept only when finite."""
+
+  def build(config):
+    apply, tx = make_apply(config), optax.adamw(LEARNING_RATE)
+    loss_fn = lambda params, tokens: lm_loss(apply(params, tokens), tokens)
+
+    def init(params, tokens):
+      return params, tx.init(params), flax.training.dynamic_scale.DynamicScale()
+
+    def step(state, tokens):
+      params, opt_state, scale = state
+      scale, finite, loss, grads = scale.value_and_grad(loss_fn)(params, tokens)
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      keep = lambda new, old: optax.tree_utils.tree_where(finite, new, old)
+      new_params = keep(optax.apply_updates(params, updates), params)
+      return (new_params, keep(new_opt_state, opt_state), scale), loss
+
+    return Step(init, step)
+
+  return build
+
+
+def fp8_step(spec: str, legacy: bool = False, **config_kwargs: Any) -> Callable[[dict], Step]:
+  """``linen_fp8`` over ``policy_apply(model, spec)``, calibrated on the batch before step 0
+  (docs/fp8.md), the fp8 state updated every step.
+
+  ``config_kwargs`` go to :class:`~jmp_lite.fp8.Fp8Config`; ``legacy`` traces the fp8 matmuls
+  in the formulation that showed the loss anomaly (``benchmarks/fp8_check.py``).
+  """
+
+  def build(config):
+    built = _fp8_build(config, spec, config_kwargs)
+    if not legacy:
+      return built
+    legacy_dots = importlib.import_module("benchmarks.fp8_check").legacy_fp8_dots
+
+    def traced_legacy(fn):
+      def call(*args):
+        with legacy_dots():
+          return fn(*args)
+
+      return call
+
+    return Step(traced_legacy(built.init), traced_legacy(built.step))
+
+  return build
+
+
+def _fp8_build(config: dict, spec: str, config_kwargs: dict) -> Step:
+  model = TransformerLM(**config)
+  apply, tx = jlf.policy_apply(model, spec), optax.adamw(LEARNING_RATE)
+  fp8_config = jl.fp8.Fp8Config(amax_history_length=FP8_HISTORY, **config_kwargs)
+
+  def loss_fn(params, amax, fp8_state, tokens):
+    variables = {
+      "params": params,
+      flax_fp8.STATE_COLLECTION: fp8_state,
+      flax_fp8.AMAX_COLLECTION: amax,
+    }
+    with flax_fp8.linen_fp8(fp8_config):  # outside the policy's interceptor, as documented
+      return lm_loss(apply(variables, tokens), tokens)
+
+  def calibrated_state(params, tokens):
+    with flax_fp8.linen_fp8(fp8_config):  # a fresh state (scales 1), then calibrated
+      fresh = model.init(jax.random.key(0), tokens)[flax_fp8.STATE_COLLECTION]
+    fun = lambda amax: loss_fn(params, amax, fresh, tokens)
+    return jl.fp8.calibrate(fun, fresh, fp8_config)
+
+  def init(params, tokens):
+    return params, run_once(calibrated_state, params, tokens), tx.init(params)
+
+  def step(state, tokens):
+    params, fp8_state, opt_state = state
+    loss, (grads, amax) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+      params, jl.fp8.zeros_amax(fp8_state), fp8_state, tokens
+    )
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new_fp8_state = jl.fp8.update(fp8_state, amax, fp8_config)
+    return (optax.apply_updates(params, updates), new_fp8_state, opt_state), loss
+
+  return Step(init, step)
+
+
+# In the order of the issue's table.
+RECIPES: dict[str, Recipe] = {
+  "fp32_highest": Recipe("fp32, precision highest", adamw_step(with_flax_dtype(), "highest")),
+  "fp32_default": Recipe("fp32, default (TF32 on GPU)", adamw_step(with_flax_dtype())),
+  "flax_bf16": Recipe(
+    "Flax layers `dtype=bfloat16` (hand-written)", adamw_step(with_flax_dtype(jnp.bfloat16))
+  ),
+  "policy_bf16": Recipe("`jmp_lite.flax.policy_apply`, bf16", adamw_step(with_policy(BF16_POLICY))),
+  "policy_fp16": Recipe("policy fp16, no loss scaling", adamw_step(with_policy(FP16_POLICY))),
+  "policy_fp16_scaled": Recipe(
+    "policy fp16 + `loss_scaling(DynamicLossScale)`", loss_scaled_step(with_policy(FP16_POLICY))
+  ),
+  "flax_fp16_dynamic_scale": Recipe(
+    "Flax `dtype=float16` + Flax `DynamicScale`",
+    flax_dynamic_scale_step(with_flax_dtype(jnp.float16)),
+  ),
+  "policy_bf16_undeclared": Recipe(
+    "policy bf16 without the accumulation preset", adamw_step(undeclared(with_policy(BF16_POLICY)))
+  ),
+  "policy_fp16_cond_skip": Recipe(
+    "policy fp16 + loss scaling, `lax.cond` skip (candidate)",
+    cond_skip_step(with_policy(FP16_POLICY)),
+  ),
+  "fp8": Recipe("jmp_lite fp8 (`linen_fp8` over the bf16 policy)", fp8_step(BF16_POLICY)),
+  "fp8_fast": Recipe(
+    "fp8, fast accumulation forward", fp8_step(BF16_POLICY, fast_accumulation="forward")
+  ),
+  "fp8_legacy": Recipe(
+    "fp8 as measured in issue 14 (legacy formulation)", fp8_step(BF16_POLICY, legacy=True)
+  ),
+}
+# Compiled in this order, so that a cut budget keeps the comparisons the issue's targets need.
+PRIORITY = (
+  "flax_bf16",
+  "policy_bf16",
+  "fp8",
+  "policy_fp16",
+  "policy_fp16_scaled",
+  "policy_bf16_undeclared",
+  "policy_fp16_cond_skip",
+  "fp8_legacy",
+  "fp8_fast",
+  "fp32_highest",
+  "fp32_default",
+  "flax_fp16_dynamic_scale",
+)
+SIZE_RECIPES = ("policy_bf16", "fp8", "fp8_fast")
+SAVED_HLO = ("flax_bf16", "policy_bf16", "fp8")  # with --save-hlo: their optimized HLO, gzipped
+REFERENCES = ("fp32_highest", "flax_bf16", "policy_bf16")  # each row's x_<name> ratios
+# Loss curves shown side by side.
+CURVES = ("fp32_default", "flax_bf16", "policy_bf16", "fp8", "fp8_legacy")
+
+
+def init_params(config: dict[str, int], tokens: jax.Array) -> Any:
+  """The fp32 parameters of the model of ``config`` (key 0), shared by every recipe."""
+  model = TransformerLM(**config)
+  return run_once(lambda t: model.init(jax.random.key(0), t)["params"], tokens)

@@ -1,0 +1,96 @@
+"""fp8 matmuls for Flax layers, linen and NNX, applied from outside the model.
+
+The layers whose matmuls become fp8 (:mod:`jmp_lite.fp8`):
+
+========================  ==========================  ==================================
+layer                     linen                       NNX
+========================  ==========================  ==================================
+dense                     ``nn.Dense``                ``nnx.Linear``
+general dense             ``nn.DenseGeneral``         ``nnx.LinearGeneral``
+einsum                    ``nn.Einsum``               ``nnx.Einsum``
+========================  ==========================  ==================================
+
+**linen**: inside ``with linen_fp8(config):`` every such layer computes its
+matmul with :func:`jmp_lite.fp8.dot_general` (an ``nn.intercept_methods``
+interceptor; the model code is unchanged). Each layer keeps an
+:class:`~jmp_lite.fp8.Fp8DotState` in the ``"fp8_state"`` collection, created
+by ``init``, and reads an optional :class:`~jmp_lite.fp8.Fp8DotAmax` probe from
+the ``"fp8_amax"`` collection::
+
+  with linen_fp8(config):
+    variables = model.init(key, x)       # {"params": ..., "fp8_state": ...}
+
+  def loss_fn(params, amax):
+    with linen_fp8(config, loss_scale=loss_scale):
+      y = model.apply({"params": params, "fp8_state": fp8_state, "fp8_amax": amax}, x)
+    return loss(y)
+
+  _, (grads, amax) = jl.scaled_value_and_grad(loss_fn, loss_scale, argnums=(0, 1))(
+      params, fp8.zeros_amax(fp8_state))
+  fp8_state = fp8.update(fp8_state, amax, config)
+
+Layers whose user already set ``dot_general``/``dot_general_cls`` keep it. The
+explicit alternative to interception is ``nn.Dense(..., dot_general_cls=
+functools.partial(LinenFp8DotGeneral, config=config))``.
+
+**NNX**: :func:`nnx_fp8` installs an fp8 op into each layer's ``dot_general``
+/ ``einsum_op`` slot; the op holds the state as :class:`Fp8State` variables and
+the probes as :class:`Fp8Amax` variables. :func:`nnx_value_and_grad`
+differentiates with respect to both the parameters and the probes and folds
+the observations into the state in place.
+
+The loss scale the gradients carry reaches the fp8 ops through
+:func:`loss_scale_scope` (``linen_fp8`` and ``nnx_value_and_grad`` take a
+``loss_scale`` argument that sets it).
+
+Before the first training step, set the scales from a first batch (the
+initial scales of 1 flush small gradients and saturate large activations; see
+:func:`jmp_lite.fp8.calibrate`): linen's ``"fp8_state"`` is a pytree of
+:class:`~jmp_lite.fp8.Fp8DotState`, so ``fp8.calibrate`` applies to it as is;
+for NNX, ``nnx_calibrate(loss_fn)(model, *batch)``.
+
+The modules behind this namespace: ``_linen`` (interception and explicit
+injection), ``_nnx`` (the ops NNX layers hold, and the NNX training helpers)
+and ``_common`` (the fp8 spec and the loss-scale scope both halves read).
+"""
+
+from jmp_lite.flax.fp8._common import loss_scale_scope
+from jmp_lite.flax.fp8._linen import (
+  AMAX_COLLECTION,
+  STATE_COLLECTION,
+  VARIABLE_NAME,
+  LinenFp8DotGeneral,
+  linen_fp8,
+  linen_interceptor,
+)
+from jmp_lite.flax.fp8._nnx import (
+  Fp8Amax,
+  Fp8State,
+  NnxFp8DotGeneral,
+  NnxFp8Einsum,
+  nnx_calibrate,
+  nnx_fp8,
+  nnx_update,
+  nnx_value_and_grad,
+)
+
+__all__ = (
+  # linen
+  "linen_fp8",
+  "linen_interceptor",
+  "LinenFp8DotGeneral",
+  "STATE_COLLECTION",
+  "AMAX_COLLECTION",
+  "VARIABLE_NAME",
+  # NNX
+  "nnx_fp8",
+  "nnx_value_and_grad",
+  "nnx_calibrate",
+  "nnx_update",
+  "NnxFp8DotGeneral",
+  "NnxFp8Einsum",
+  "Fp8State",
+  "Fp8Amax",
+  # The loss scale the fp8 ops read
+  "loss_scale_scope",
+)

@@ -1,0 +1,296 @@
+"""fp8 matmuls for NNX layers: ops installed into their matmul slots (private)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmp_lite import fp8
+from jmp_lite._fp8_config import as_config as as_fp8_config
+from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
+from jmp_lite.flax.fp8._common import as_config, loss_scale_scope, op_options
+
+
+class Fp8State(nnx.Variable):
+  """NNX variable type of fp8 scales and amax histories (not trained by optimizers)."""
+
+
+class Fp8Amax(nnx.Variable):
+  """NNX variable type of the amax probes: zeros whose gradient is the observations."""
+
+
+class NnxFp8DotGeneral(nnx.Module):
+  """An fp8 matmul with its own state, for the ``dot_general`` slot of NNX layers.
+
+  Variables (named like ``flax.linen.fp8_ops``): ``{input,kernel,output_grad}_scale``
+  and ``..._amax_history`` (:class:`Fp8State`), ``..._amax`` (:class:`Fp8Amax`).
+
+  Args:
+    config: the fp8 recipe (``Fp8Config()`` by default).
+  """
+
+  def __init__(self, config: fp8.Fp8Config | None = None):
+    self.config = as_fp8_config(config)
+    state = fp8.init_dot_state(self.config)
+    for name, tensor in zip(fp8.Fp8DotState._fields, state, strict=True):
+      setattr(self, f"{name}_scale", Fp8State(tensor.scale))
+      setattr(self, f"{name}_amax_history", Fp8State(tensor.amax_history))
+      setattr(self, f"{name}_amax", Fp8Amax(jnp.zeros((), jnp.float32)))
+
+  @property
+  def dot_state(self) -> fp8.Fp8DotState:
+    """The current :class:`~jmp_lite.fp8.Fp8DotState`."""
+    return fp8.Fp8DotState(
+      *(
+        fp8.Fp8ScaleState(
+          getattr(self, f"{name}_scale").get_value(),
+          getattr(self, f"{name}_amax_history").get_value(),
+        )
+        for name in fp8.Fp8DotState._fields
+      )
+    )
+
+  @property
+  def amax(self) -> fp8.Fp8DotAmax:
+    """The probe values (zeros, or observations between ``nnx.update`` and ``commit``)."""
+    return fp8.Fp8DotAmax(
+      *(getattr(self, f"{name}_amax").get_value() for name in fp8.Fp8DotAmax._fields)
+    )
+
+  def commit(self, *, axis_name: Any = None) -> None:
+    """Folds the observations held in the probes into the state; zeroes the probes.
+
+    Args:
+      axis_name: under ``shard_map``/``pmap``, max-reduce the observations over
+        this axis first (see :func:`jmp_lite.fp8.update`).
+    """
+    new = fp8.update(self.dot_state, self.amax, self.config, axis_name=axis_name)
+    for name, tensor in zip(fp8.Fp8DotState._fields, new, strict=True):
+      getattr(self, f"{name}_scale").set_value(tensor.scale)
+      getattr(self, f"{name}_amax_history").set_value(tensor.amax_history)
+      probe = getattr(self, f"{name}_amax")
+      probe.set_value(jnp.zeros_like(probe.get_value()))
+
+  def _run(self, op: Callable[..., jax.Array], *operands: Any, **options: Any) -> jax.Array:
+    return op(*operands, self.dot_state, self.amax, **op_options(self.config, **options))
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, **options):
+    """:func:`jmp_lite.fp8.dot_general` with this op's state and probe.
+
+    Args:
+      lhs: the input.
+      rhs: the kernel.
+      dimension_numbers: as in :func:`jax.lax.dot_general`.
+      precision: accepted and ignored (see :func:`jmp_lite.fp8.dot_general`).
+      **options: ``preferred_element_type``, ``out_sharding``.
+
+    Returns:
+      The product.
+    """
+    return self._run(fp8.dot_general, lhs, rhs, dimension_numbers, precision=precision, **options)
+
+
+class NnxFp8Einsum(NnxFp8DotGeneral):
+  """An fp8 einsum for the ``einsum_op`` slot of ``nnx.Einsum``.
+
+  Args:
+    config: the fp8 recipe (``Fp8Config()`` by default).
+  """
+
+  def __call__(self, subscripts, lhs, rhs, precision=None, **options):  # type: ignore[override]
+    """:func:`jmp_lite.fp8.einsum` with this op's state and probe.
+
+    Args:
+      subscripts: the two-operand einsum equation.
+      lhs: the input.
+      rhs: the kernel.
+      precision: accepted and ignored (see :func:`jmp_lite.fp8.dot_general`).
+      **options: ``preferred_element_type``, ``out_sharding``.
+
+    Returns:
+      The einsum.
+    """
+    return self._run(fp8.einsum, subscripts, lhs, rhs, precision=precision, **options)
+
+
+def _install(layer: Any, config: fp8.Fp8Config) -> bool:
+  """Puts an fp8 op into one layer's matmul slot; False if the user set their own."""
+  if isinstance(layer, nnx.Einsum):
+    if isinstance(layer.einsum_op, NnxFp8Einsum):
+      return True
+    if layer.einsum_op is not jnp.einsum:
+      return False
+    layer.einsum_op = nnx.data(NnxFp8Einsum(config))
+    return True
+  if isinstance(layer.dot_general, NnxFp8DotGeneral):
+    return True
+  default = layer.dot_general is None or layer.dot_general is jax.lax.dot_general
+  if not default or getattr(layer, "dot_general_cls", None) is not None:
+    return False
+  layer.dot_general = nnx.data(NnxFp8DotGeneral(config))
+  return True
+
+
+def nnx_fp8(model: nnx.Module, fp8_spec: Any = None) -> nnx.Module:
+  """Makes the matmuls of every ``nnx.Linear``/``LinearGeneral``/``Einsum`` in ``model`` fp8.
+
+  Mutates ``model`` in place: each layer's ``dot_general`` (``einsum_op`` for
+  Einsum) becomes an :class:`NnxFp8DotGeneral` (:class:`NnxFp8Einsum`)
+  holding the layer's fp8 state. Layers with a user-supplied
+  ``dot_general``/``einsum_op`` are left alone; calling it twice changes
+  nothing.
+
+  Args:
+    model: the NNX model.
+    fp8_spec: an :class:`~jmp_lite.fp8.Fp8Config` (default ``Fp8Config()``),
+      an :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
+      ``"p=f32,c=bf16,o=f32,fp8=hybrid"``. A policy without fp8 leaves the
+      model as it is.
+
+  Returns:
+    ``model``.
+
+  Raises:
+    ValueError: if the model has no layer that can run in fp8.
+  """
+  config = as_config(fp8_spec)
+  if config is None:
+    return model
+  layers = [
+    node
+    for _, node in nnx.iter_graph(model)
+    if isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
+  ]
+  installed = [_install(layer, config) for layer in layers]
+  if not any(installed):
+    raise ValueError(
+      f"{type(model).__name__} has no nnx.Linear, nnx.LinearGeneral or nnx.Einsum layer with "
+      "the default dot_general/einsum_op to run in fp8."
+    )
+  return model
+
+
+def nnx_update(model: nnx.Module, amax: nnx.State | None = None, *, axis_name: Any = None) -> None:
+  """Folds fp8 observations into every fp8 op of ``model``, in place.
+
+  Args:
+    model: a model prepared with :func:`nnx_fp8`.
+    amax: the gradient with respect to the :class:`Fp8Amax` variables (an
+      ``nnx.State``); ``None`` uses the values already in the probes.
+    axis_name: under ``shard_map``/``pmap``, max-reduce over this axis first.
+  """
+  if amax is not None:
+    nnx.update(model, amax)
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, NnxFp8DotGeneral):
+      node.commit(axis_name=axis_name)
+
+
+def nnx_calibrate(
+  fun: Callable[..., Any], *, has_aux: bool = False, axis_name: Any = None
+) -> Callable[..., Any]:
+  r""":func:`jmp_lite.fp8.calibrate` for an NNX model prepared with :func:`nnx_fp8`.
+
+  The returned function runs ``fun(model, *args, **kwargs)`` and its gradient
+  with respect to the fp8 probes once under :func:`jmp_lite.fp8.current_scaling`,
+  and folds the observations into the model's fp8 state in place (parameters
+  untouched): each scale becomes
+
+  .. math:: s = \frac{\max|x| \cdot 2^{\text{margin}}}{\text{fp8\_max}}.
+
+  Call it on a fresh model with the first batch, before the first training
+  step; the step itself is unchanged.
+
+  Args:
+    fun: the training loss, ``fun(model, *args, **kwargs)``, returning a scalar
+      (or ``(loss, aux)`` with ``has_aux``).
+    has_aux: as in ``nnx.value_and_grad``.
+    axis_name: under ``shard_map``/``pmap``, max-reduce the observations over
+      this axis first.
+
+  Returns:
+    A function of ``(model, *args, **kwargs)`` returning what ``fun`` returned.
+  """
+  if not callable(fun):
+    raise TypeError(f"fun must be a function of the model, got {fun!r}.")
+  grad_fn = nnx.value_and_grad(fun, argnums=nnx.DiffState(0, Fp8Amax), has_aux=has_aux)
+
+  def calibrate(model, *args, **kwargs):
+    with fp8.current_scaling() as scope:
+      value, amax = grad_fn(model, *args, **kwargs)
+    if scope.probed_ops == 0:
+      raise ValueError(
+        f"fun traced no fp8 matmul of {type(model).__name__}, so nothing was calibrated: "
+        "prepare the model with nnx_fp8 first, and trace its calls inside fun (not an "
+        "nnx.jit/jax.jit function compiled before)."
+      )
+    nnx_update(model, amax, axis_name=axis_name)
+    return value
+
+  return calibrate
+
+
+def _split_state(state: nnx.State, *filters: Any) -> tuple[nnx.State, ...]:
+  if hasattr(nnx, "split_state"):  # flax >= 0.11; State.filter is deprecated there
+    return nnx.split_state(state, *filters)
+  return state.filter(*filters)
+
+
+def nnx_value_and_grad(
+  fun: Callable[..., Any],
+  *,
+  wrt: Any = nnx.Param,
+  has_aux: bool = False,
+  loss_scale: Any = None,
+  axis_name: Any = None,
+) -> Callable[..., tuple[Any, nnx.State]]:
+  """``nnx.value_and_grad`` of ``fun(model, ...)`` that also updates the fp8 state.
+
+  The returned function differentiates ``fun`` with respect to the ``wrt``
+  variables of its first argument (the model) and the fp8 probes, folds the
+  observations into the model's fp8 state (in place, as NNX does) and returns
+  ``(value, grads)`` with the ``wrt`` gradients only.
+
+  With a ``loss_scale`` (a jmp_lite loss scale, or an array), it
+  differentiates ``loss_scale * fun`` and returns the unscaled value and the
+  *scaled* gradients, ready for :func:`jmp_lite.loss_scaling`'s ``update``;
+  the fp8 ops see the loss scale so their output-gradient scales compose with
+  it.
+
+  Args:
+    fun: returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+    wrt: the NNX filter of variables to differentiate (default ``nnx.Param``).
+    has_aux: as in ``nnx.value_and_grad``.
+    loss_scale: the loss scale, or ``None``.
+    axis_name: under ``shard_map``/``pmap``, the axis to max-reduce the fp8
+      observations over (reduce the gradients yourself, as usual).
+
+  Returns:
+    A function of ``(model, *args, **kwargs)`` returning ``(value, grads)``,
+    as ``nnx.value_and_grad`` does.
+  """
+  if loss_scale is None:
+    scaling: LossScale = NoOpLossScale()
+  elif isinstance(loss_scale, LossScale):
+    scaling = loss_scale
+  else:
+    scaling = StaticLossScale(loss_scale)
+  grad_fn = scaling.value_and_grad(
+    fun,
+    has_aux=has_aux,
+    argnums=nnx.DiffState(0, nnx.Any(wrt, Fp8Amax)),
+    value_and_grad=nnx.value_and_grad,
+  )
+
+  def value_and_grad(model, *args, **kwargs):
+    with loss_scale_scope(loss_scale):
+      value, grads = grad_fn(model, *args, **kwargs)
+    amax, param_grads = _split_state(grads, Fp8Amax, ...)
+    nnx_update(model, amax, axis_name=axis_name)
+    return value, param_grads
+
+  return value_and_grad

@@ -1,0 +1,94 @@
+"""The package's layout rules (docs/development.md), checked on the source.
+
+Sizes: no module over 700 lines, no class over 250, no function over 100. Privacy: no module
+imports another module's ``_name``. Layers: imports flow one way (dtypes -> policy -> loss
+scales -> transform -> layer-wise/fp8/checks -> flax), and only ``jmp_lite/flax`` imports
+Flax. Weight: ``import jmp_lite`` imports nothing that ``import jax, optax`` does not.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jmp_lite"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 700, 250, 100
+
+# The lowest layer first; a module may import its own layer or a lower one.
+LAYERS = (
+  ("_validation", "_tree_util", "_context", "_jaxpr", "_dtypes", "dtypes"),
+  ("_finite", "_fp8_config", "_policy", "policy"),
+  ("_loss_scale", "loss_scale"),
+  ("_transform", "transform"),
+  ("layerwise", "fp8", "_audit", "_step_check", "diagnostics", "_plotting", "plotting"),
+  ("flax",),
+  ("__init__",),
+)
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+  if module == "jmp_lite":
+    return len(LAYERS) - 1
+  first = module.split(".")[1]
+  for rank, names in enumerate(LAYERS):
+    if first in names:
+      return rank
+  raise AssertionError(f"{module} is in no layer of LAYERS: add it")
+
+
+def _imports(tree: ast.Module):
+  """(imported module, imported names) for every import in the file, lazy ones too."""
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        yield alias.name, ()
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      yield node.module, tuple(alias.name for alias in node.names)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_sizes(path):
+  source = path.read_text()
+  lines = len(source.splitlines())
+  assert lines <= MAX_MODULE, f"{lines} lines, over {MAX_MODULE}"
+  for node in ast.walk(ast.parse(source)):
+    limit = {ast.ClassDef: MAX_CLASS, ast.FunctionDef: MAX_FUNCTION}.get(type(node))
+    if limit is not None:
+      assert node.end_lineno - node.lineno + 1 <= limit, f"{node.name} is over {limit} lines"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_respect_privacy_and_layers(path):
+  module = _module_name(path)
+  rank = _layer(module) if module != "jmp_lite" else len(LAYERS) - 1
+  in_flax = module == "jmp_lite.flax" or module.startswith("jmp_lite.flax.")
+  for imported, names in _imports(ast.parse(path.read_text())):
+    if imported.split(".")[0] == "flax":
+      assert in_flax, f"{module} imports {imported}: only jmp_lite.flax may"
+    if imported.split(".")[0] != "jmp_lite":
+      continue
+    for name in names:
+      if name.startswith("_") and not (PACKAGE.parent / imported.replace(".", "/")).is_dir():
+        raise AssertionError(f"{module} imports {name} from {imported}: a private name")
+    targets = [f"{imported}.{n}" for n in names] if imported == "jmp_lite" else [imported]
+    for target in targets:
+      if target in ("jmp_lite", "jmp_lite.flax"):
+        continue
+      assert _layer(target) <= rank, f"{module} (layer {rank}) imports {target} from above"
+
+
+def test_import_jmp_lite_adds_no_package_to_jax_and_optax():
+  code = (
+    "import sys; import jax, optax; before = {m.split('.')[0] for m in sys.modules}; "
+    "import jmp_lite; print(sorted({m.split('.')[0] for m in sys.modules} - before))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.split() == ["['jmp_lite']"]
