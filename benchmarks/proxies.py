@@ -38,7 +38,8 @@ Proxies, each for the step ``jax.value_and_grad(loss)(params, tokens)``:
 ``while``) and count each equation once per execution: a ``scan`` body times
 its length, the largest branch of a ``cond`` (of a ``lax.platform_dependent``,
 the branch a GPU runs), a ``while`` body once. An equation that calls a nested
-jaxpr is counted through that jaxpr's equations, not by its own outputs. (4) counts each collective of the HLO text once.
+jaxpr is counted through that jaxpr's equations, not by its own outputs. (4)
+counts each collective of the HLO text once.
 
 Ratios are to ``flax_bf16``. Targets for ``jmp_lite`` (issue 14): matmul
 outputs, residuals and collectives at most 1.0x, all intermediates at most

@@ -17,6 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The public names; `jmp_lite/dtypes.py` (the module's old path) re-exports them.
+__all__ = [
+  "FORMATS",
+  "FormatInfo",
+  "dtype_name",
+  "format_info",
+  "half_dtype",
+  "half_dtype_for",
+  "is_float8",
+  "parse_dtype",
+  "scalar_type",
+]
+
 DTypeLike = Any  # a dtype name, np.dtype, or scalar type such as jnp.bfloat16
 ScalarType = Any  # a JAX scalar type such as jnp.bfloat16 (typed Any in jax.numpy's stubs)
 

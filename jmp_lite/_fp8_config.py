@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -41,27 +40,14 @@ def as_fp8_dtype(value: Any, name: str) -> np.dtype:
     TypeError, ValueError: naming ``value`` if it is not a dtype, or not an fp8
       format jmp_lite knows.
   """
-  dtype = dtypes.parse_dtype(value)  # TypeError/ValueError for junk
-  if not dtypes.is_float8(dtype) or dtype.name not in dtypes.FORMATS:
-    supported = ", ".join(d.name for d in dtypes.FLOAT8_DTYPES)
-    raise ValueError(f"{name} must be an fp8 format ({supported}), got {dtype.name}.")
-  return dtype
-
-
-def check_history_length(value: Any) -> int:
-  """Returns ``value`` as an int if it is an integer >= 1, else raises naming it."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"amax_history_length must be an int >= 1, got {value!r}.")
-  if value < 1:
-    raise ValueError(f"amax_history_length must be >= 1, got {value}.")
-  return int(value)
+  supported = ", ".join(d.name for d in dtypes.FLOAT8_DTYPES)
+  known_fp8 = lambda d: dtypes.is_float8(d) and d.name in dtypes.FORMATS
+  return _validation.check_dtype(value, name, known_fp8, f"an fp8 format ({supported})")
 
 
 def check_margin(value: Any) -> float:
   """Returns ``value`` as a float if it is a finite number in [0, 64), else raises naming it."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(f"margin must be a finite number >= 0, got {value!r}.")
-  margin = float(value)
+  margin = _validation.as_real(value, "margin", "a finite number >= 0")
   # 2**margin must stay a finite fp32 factor; margins used in practice are 0-4.
   if not (math.isfinite(margin) and 0 <= margin < 64):
     raise ValueError(f"margin must be finite, >= 0 and < 64, got {value!r}.")
@@ -124,7 +110,10 @@ class Fp8Config:
     choice = _validation.check_choice
     set_("fwd_dtype", as_fp8_dtype(self.fwd_dtype, "fwd_dtype"))
     set_("bwd_dtype", as_fp8_dtype(self.bwd_dtype, "bwd_dtype"))
-    set_("amax_history_length", check_history_length(self.amax_history_length))
+    set_(
+      "amax_history_length",
+      _validation.check_int(self.amax_history_length, "amax_history_length", 1),
+    )
     set_(
       "amax_compute_algo", choice(self.amax_compute_algo, "amax_compute_algo", AMAX_COMPUTE_ALGOS)
     )

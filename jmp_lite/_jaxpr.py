@@ -13,8 +13,23 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-import jax.extend as jex
 import numpy as np
+
+
+def extend_core() -> Any:
+  """``jax.extend.core``, imported on first use.
+
+  ``import jax.extend`` also imports Pallas (about 0.13 s, a quarter of
+  ``import jax``), which ``import jmp_lite`` should not pay for before a jaxpr
+  is walked.
+
+  Returns:
+    The ``jax.extend.core`` module.
+  """
+  import jax.extend.core
+
+  return jax.extend.core
+
 
 # Ops that only move or re-type values.
 TRANSPARENT = frozenset(
@@ -52,9 +67,9 @@ class SubJaxpr(NamedTuple):
 
 
 def _jaxprs_in(value: Any) -> Iterator[tuple[Any, Sequence[Any]]]:
-  if isinstance(value, jex.core.ClosedJaxpr):
+  if isinstance(value, extend_core().ClosedJaxpr):
     yield value.jaxpr, value.consts
-  elif isinstance(value, jex.core.Jaxpr):
+  elif isinstance(value, extend_core().Jaxpr):
     yield value, ()
   elif isinstance(value, (tuple, list)):
     for item in value:
@@ -90,7 +105,7 @@ def sub_jaxprs(eqn: Any) -> list[SubJaxpr]:
 
 def is_literal(atom: Any) -> bool:
   """Whether ``atom`` is a literal (a constant written into the jaxpr), not a variable."""
-  return isinstance(atom, jex.core.Literal)
+  return isinstance(atom, extend_core().Literal)
 
 
 def dtype_of(atom: Any) -> np.dtype | None:

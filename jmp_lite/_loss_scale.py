@@ -34,6 +34,16 @@ from jax import lax
 
 from jmp_lite import _finite, _tree_util, _validation
 
+# The public names; `jmp_lite/loss_scale.py` (the module's old path) re-exports them.
+__all__ = [
+  "DynamicLossScale",
+  "LossScale",
+  "NoOpLossScale",
+  "StaticLossScale",
+  "all_finite",
+  "select_tree",
+]
+
 T = TypeVar("T")
 
 
@@ -468,9 +478,10 @@ def uniform_scale_value(loss_scale: Any, *, instead: str) -> jax.Array:
     ``loss_scale``'s value, a float32 scalar (traced if ``loss_scale`` is).
 
   Raises:
-    TypeError: for a non-uniform loss scale, a bool, anything else that is not
-      a real number or a real array, or an array that is not a scalar.
-    ValueError: for a concrete value that is not positive and finite.
+    TypeError: for a non-uniform loss scale, a bool, or anything else that is
+      not a real number or a real array.
+    ValueError: for a real array that is not a scalar, or a concrete value
+      that is not positive and finite.
   """
   if isinstance(loss_scale, LossScale):
     if not loss_scale.uniform:
@@ -491,7 +502,7 @@ def uniform_scale_value(loss_scale: Any, *, instead: str) -> jax.Array:
   if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
     raise TypeError(f"loss_scale must be a real number, got dtype {value.dtype}.")
   if value.shape != ():
-    raise TypeError(f"loss_scale must be a scalar, got shape {value.shape}.")
+    raise ValueError(f"loss_scale must be a scalar, got shape {value.shape}.")
   value = value.astype(jnp.float32)
   if _validation.is_concrete(value) and not (float(value) > 0 and math.isfinite(float(value))):
     raise ValueError(f"loss_scale must be positive and finite, got {float(value)}.")

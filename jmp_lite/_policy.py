@@ -31,6 +31,9 @@ import numpy as np
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import E4M3, E5M2, Fp8Config, as_config, as_fp8_dtype
 
+# The public names; `jmp_lite/policy.py` (the module's old path) re-exports them.
+__all__ = ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
+
 T = TypeVar("T")
 
 # Keras' global mixed precision policies: fp32 variables, 16-bit compute, and

@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jmp_lite import _dtypes as dtypes
 
 
 def is_concrete(x) -> bool:
@@ -66,6 +69,35 @@ def as_scale(value: jax.typing.ArrayLike, name: str, *, warn_integer: bool = Fal
   return scale
 
 
+def as_real(value: Any, name: str, expected: str) -> float:
+  """Converts a static real number (configuration, not traced) to a Python float.
+
+  Args:
+    value: a concrete number or real scalar array, not a bool.
+    name: the argument's name, for the error messages.
+    expected: what ``name`` must be, for the TypeError (``"a positive number"``).
+
+  Returns:
+    ``value`` as a Python float (range checks are the caller's).
+  """
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+      f"{name} is static configuration and must be a concrete number, got a traced value; "
+      "build the object outside jit or pass a Python float."
+    )
+  real = not isinstance(value, (bool, np.bool_)) and isinstance(
+    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
+  )
+  array = np.asarray(value) if real else None
+  if array is None or not (
+    jnp.issubdtype(array.dtype, jnp.integer) or jnp.issubdtype(array.dtype, jnp.floating)
+  ):
+    raise TypeError(f"{name} must be {expected}, got {value!r}.")
+  if array.shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {array.shape}.")
+  return float(array)
+
+
 def as_bound(value: Any, name: str, dtype: np.dtype) -> float:
   """Converts a static bound to a Python float representable in ``dtype``.
 
@@ -77,16 +109,7 @@ def as_bound(value: Any, name: str, dtype: np.dtype) -> float:
   Returns:
     ``value`` as a Python float.
   """
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(
-      f"{name} is static configuration and must be a concrete number, got a "
-      "traced value; build the loss scale outside jit or pass a Python float."
-    )
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
-  ):
-    raise TypeError(f"{name} must be a positive number, got {value!r}.")
-  bound = float(np.asarray(value))
+  bound = as_real(value, name, "a positive number")
   with np.errstate(over="ignore"):
     rounded = float(np.asarray(bound, dtype=dtype))
   if not (math.isfinite(bound) and bound > 0):
@@ -99,22 +122,64 @@ def as_bound(value: Any, name: str, dtype: np.dtype) -> float:
   return bound
 
 
-def check_int(value: Any, name: str, minimum: int) -> int:
+def as_bounds(value: Any, name: str, count: int, dtype: np.dtype) -> tuple[float, ...]:
+  """Converts one static bound per stage, each checked as by :func:`as_bound`.
+
+  Args:
+    value: one bound for every stage, or a sequence of ``count`` bounds.
+    name: the argument's name, for the error messages.
+    count: the number of stages.
+    dtype: the dtype the bounds are compared in.
+
+  Returns:
+    ``count`` Python floats.
+  """
+  if np.ndim(value) == 0:
+    return (as_bound(value, name, dtype),) * count
+  if np.shape(value) != (count,):
+    raise ValueError(f"{name} must be a scalar or one value per stage ({count}), got {value!r}.")
+  return tuple(as_bound(v, name, dtype) for v in value)
+
+
+@overload
+def check_int(value: Any, name: str, minimum: int | None) -> int: ...
+@overload
+def check_int(value: Any, name: str, minimum: int | None, *, optional: bool) -> int | None: ...
+def check_int(value: Any, name: str, minimum: int | None, *, optional: bool = False) -> int | None:
   """Checks a static integer setting.
 
   Args:
     value: a Python or NumPy integer (not a bool).
     name: the argument's name, for the error messages.
-    minimum: the smallest value allowed.
+    minimum: the smallest value allowed; ``None`` for no bound.
+    optional: also accept ``None`` (returned as is).
 
   Returns:
-    ``value`` as a Python int.
+    ``value`` as a Python int (``None`` for ``None`` with ``optional``).
   """
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral)):
-    raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}.")
-  if value < minimum:
+  if optional and value is None:
+    return None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    expected = "an int" if minimum is None else f"an int >= {minimum}"
+    raise TypeError(f"{name} must be {expected}{' or None' if optional else ''}, got {value!r}.")
+  if minimum is not None and value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {value}.")
   return int(value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+  """Checks a static switch.
+
+  Args:
+    value: a Python or NumPy bool.
+    name: the argument's name, for the error message.
+
+  Returns:
+    ``value`` as a Python bool.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}.")
+  return bool(value)
 
 
 def check_predicate(pred: Any, name: str) -> jax.Array:
@@ -135,19 +200,55 @@ def check_predicate(pred: Any, name: str) -> jax.Array:
   return pred
 
 
-def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+def check_choice(
+  value: Any, name: str, choices: tuple[str, ...], *, type_error: bool = True
+) -> str:
   """Checks a string option.
 
   Args:
     value: the option given.
     name: the argument's name, for the error messages.
     choices: the accepted strings.
+    type_error: a value that is not a string raises TypeError (default); with
+      False, the ValueError of any other value outside ``choices``.
 
   Returns:
     ``value``, if it is one of ``choices``; TypeError or ValueError otherwise.
   """
-  if not isinstance(value, str):
-    raise TypeError(f"{name} must be one of {choices}, got {value!r}.")
-  if value not in choices:
-    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
-  return value
+  if isinstance(value, str) and value in choices:
+    return value
+  error = TypeError if type_error and not isinstance(value, str) else ValueError
+  raise error(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
+
+
+def check_dtype(
+  value: Any,
+  name: str,
+  accepted: Callable[[np.dtype], bool],
+  expected: str,
+  *,
+  as_given: bool = False,
+) -> np.dtype:
+  """Parses a dtype setting and checks that it is one the caller accepts.
+
+  Args:
+    value: a dtype name or dtype-like object (see :func:`jmp_lite.parse_dtype`).
+    name: the argument's name, for the error messages.
+    accepted: whether a parsed dtype is allowed here.
+    expected: what ``name`` must be, for the ValueError (``"an fp8 format"``).
+    as_given: name ``value`` in the error as it was given (``'bf16'``) rather
+      than by the dtype it parses to (``bfloat16``).
+
+  Returns:
+    The ``np.dtype``.
+
+  Raises:
+    TypeError, ValueError: :func:`jmp_lite.parse_dtype`'s, for what is not a
+      floating dtype; ValueError naming ``value`` and ``expected`` for one that
+      is not accepted.
+  """
+  dtype = dtypes.parse_dtype(value)
+  if not accepted(dtype):
+    got = repr(value) if as_given else dtype.name
+    raise ValueError(f"{name} must be {expected}, got {got}.")
+  return dtype

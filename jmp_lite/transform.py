@@ -1,17 +1,4 @@
 """Kept so that imports from ``jmp_lite.transform`` keep working; use ``jmp_lite.<name>``."""
 
-from jmp_lite._transform import (
-  LossScalingState,
-  get_loss_scale,
-  get_loss_scaling_state,
-  loss_scaling,
-  scaled_value_and_grad,
-)
-
-__all__ = [
-  "LossScalingState",
-  "get_loss_scale",
-  "get_loss_scaling_state",
-  "loss_scaling",
-  "scaled_value_and_grad",
-]
+from jmp_lite._transform import *  # noqa: F403
+from jmp_lite._transform import __all__ as __all__

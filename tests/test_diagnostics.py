@@ -17,9 +17,13 @@ from jmp_lite._transform import loss_scaling, scaled_value_and_grad
 
 F16 = jnp.float16
 
+# The tests check values, not speed: compiled with XLA's backend optimizations off (on 2 CPU
+# cores compiling dominates their run time).
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
 
 def stats_of(grads, **kwargs):
-  return jax.jit(lambda g: diag.gradient_statistics(g, **kwargs))(grads)
+  return jit(lambda g: diag.gradient_statistics(g, **kwargs))(grads)
 
 
 def as_float(x) -> float:
@@ -154,7 +158,7 @@ def test_histogram_can_be_skipped_and_range_set():
 def test_every_n_steps_runs_only_on_multiples():
   grads = {"w": jnp.array([0.0, 1.0])}
 
-  @jax.jit
+  @jit
   def metrics(step):
     return diag.every_n_steps(step, 3, diag.gradient_statistics, grads, format="bfloat16")
 
@@ -175,7 +179,7 @@ def test_statistics_under_shard_map_match_the_whole_array():
   def local(shard):
     return diag.gradient_statistics({"w": shard}, axis_name="d")["w"]
 
-  sharded = jax.jit(
+  sharded = jit(
     jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec())
   )(g)
   for field in ("zero_fraction", "underflow_fraction", "overflow_fraction", "max_abs"):
@@ -209,7 +213,7 @@ def run_updates(pattern, loss_scale, window=4, **health_kwargs):
   params = {"w": jnp.ones(2)}
   state, monitor = tx.init(params), diag.LossScaleMonitor.create(window=window)
 
-  @jax.jit
+  @jit
   def step(state, monitor, finite):
     grads = {"w": jnp.where(finite, 1.0, jnp.nan) * jnp.ones(2)}
     _, state = tx.update(grads, state, params)
@@ -279,7 +283,7 @@ def test_layerwise_scale_collapses_when_a_stage_sits_at_its_minimum():
   no_boundary = jl.BoundaryStats(jnp.zeros(1), jnp.zeros((1, jl.layerwise.HIST_BINS)))
   nan = jl.LayerwiseGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
 
-  @jax.jit
+  @jit
   def step(state, monitor):
     _, state = tx.update(nan, state, params)
     monitor = monitor.update(state)
@@ -369,7 +373,7 @@ def test_parameter_order_follows_the_forward_pass():
       return nn.Dense(1, name="mid")(x)
 
   x = jnp.ones((2, 3))
-  params = Net().init(jax.random.key(0), x)
+  params = jit(Net().init)(jax.random.key(0), x)
   policy = jl.get_policy("p=f32,c=f16,o=f32")
   # The policy casts every parameter first, in tree order: casts are not uses.
   order = diag.parameter_order(lambda p, x: Net().apply(policy.cast_to_compute(p), x), params, x)
@@ -404,15 +408,18 @@ class MLP(nn.Module):
 @functools.cache
 def trainer():
   model = MLP()
-  x = jax.random.normal(jax.random.key(0), (8, 4))
-  y = jnp.sum(x, axis=1, keepdims=True)
-  params = model.init(jax.random.key(1), x, False)
+
+  @jit
+  def init():  # compiled: eagerly, each initializer compiles at XLA's default optimization level
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    return x, jnp.sum(x, axis=1, keepdims=True), model.init(jax.random.key(1), x, False)
+
+  x, y, params = init()
   tx = loss_scaling(optax.adam(1e-2), jl.DynamicLossScale(jnp.float32(2.0**8), min_loss_scale=16.0))
 
   def loss_fn(p, poison):
     return jnp.mean((model.apply(p, x, poison) - y) ** 2)
 
-  @jax.jit
   def step(params, opt_state, monitor, poison, i):
     _, grads = scaled_value_and_grad(loss_fn, opt_state)(params, poison)
     stats = diag.every_n_steps(i, 1, diag.gradient_statistics, grads, format="float16")
@@ -423,14 +430,14 @@ def trainer():
 
   first_args = (params, tx.init(params), diag.LossScaleMonitor.create(window=10), False, 0)
   order = diag.parameter_order(lambda p: loss_fn(p, False), params)
-  return step, first_args, order
+  return step, jit(step), first_args, order
 
 
 def train(poison_from: int, steps: int = 14):
-  step, first_args, order = trainer()
+  step, compiled, first_args, order = trainer()
   params, opt_state, monitor, _, _ = first_args
   for i in range(steps):
-    params, opt_state, monitor, stats, health = step(
+    params, opt_state, monitor, stats, health = compiled(
       params, opt_state, monitor, jnp.asarray(i >= poison_from), i
     )
   return jax.device_get(health), jax.device_get(stats), order, (step, first_args)
@@ -446,7 +453,7 @@ def test_injected_nan_source_reports_collapse_and_culprit_layer():
   culprits = diag.likely_culprits(stats, order=order)
   assert culprits[0].name == "params/layer_2" and culprits[0].problem == "non-finite"
   # The step stays free of host callbacks: diagnostics add no sync to the hot path.
-  jaxpr = jax.make_jaxpr(step)(*args)
+  jaxpr = jax.make_jaxpr(jax.jit(step))(*args)  # the step as a user compiles it
   primitives = {e.primitive.name for e in _all_eqns(jaxpr.jaxpr)}
   # The walk sees inside the jit and every_n_steps' cond (the histogram's scatter-add).
   assert [e.primitive.name for e in jaxpr.jaxpr.eqns] == ["jit"]

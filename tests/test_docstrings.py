@@ -49,7 +49,13 @@ def test_docstring_examples(module_name):
 
 
 def test_examples_are_found():
-  assert len(ALL_MODULES) > 15 and "jmp_lite.flax._linen" in ALL_MODULES
+  # Every module of the package is searched: one per .py file under jmp_lite/.
+  root = pathlib.Path(jmp_lite.__file__).parent
+  files = [p.relative_to(root.parent).with_suffix("").parts for p in root.rglob("*.py")]
+  assert sorted(ALL_MODULES) == sorted(
+    ".".join(f[:-1] if f[-1] == "__init__" else f) for f in files
+  )
+  assert "jmp_lite.flax._linen" in ALL_MODULES
   assert {"jmp_lite._policy", "jmp_lite._loss_scale"} <= set(MODULES_WITH_EXAMPLES)
   assert any(name.startswith("jmp_lite.fp8.") for name in MODULES_WITH_EXAMPLES)
 

@@ -11,8 +11,12 @@ loss scaling (measurably worse) and fp16 with a dynamic scale (matches fp32).
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jmp_lite as jl
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
@@ -155,7 +159,8 @@ def test_comparison_results_are_sane(comparison):
     assert len(r["train_loss"]) == len(r["loss_scale"]) == steps, name
     assert _finite(r["train_loss"]) and _finite(r["val_loss"]), name
     assert all(0 <= s < steps for s in r["skipped"]), name
-    assert all(s > 0 for s in r["loss_scale"]), name
+    # Every scale is a power of two (unscaling is exact): 1, or 2^15 halved or doubled.
+    assert all(math.frexp(s)[0] == 0.5 for s in r["loss_scale"]), name
     memory = r["memory"]  # compiled.memory_analysis(); donated arguments are counted once
     assert memory["total_bytes"] == (
       memory["argument_size_in_bytes"]
@@ -163,13 +168,22 @@ def test_comparison_results_are_sane(comparison):
       - memory["alias_size_in_bytes"]
       + memory["temp_size_in_bytes"]
     )
-    assert memory["argument_size_in_bytes"] > 0 and r["compile_s"] > 0
+    assert r["compile_s"] > 0
     for layers in r["grad_stats"].values():
       for stats in layers.values():
         assert 0.0 <= stats["zero_fraction"] <= 1.0
         assert 0.0 <= stats["underflow_fraction"] <= 1.0
   assert results["fp32"]["skipped"] == []
-  assert results["fp16"]["loss_scale"] == [1.0] * steps
+  assert results["fp32"]["loss_scale"] == results["fp16"]["loss_scale"] == [1.0] * steps
+  # The step takes the same parameters and optimizer state in every recipe (a policy changes
+  # only how it computes), and the dynamic scale's state besides.
+  arguments = {name: r["memory"]["argument_size_in_bytes"] for name, r in results.items()}
+  dynamic = jax.tree.leaves(jl.DynamicLossScale(jnp.float32(1.0)))
+  assert arguments == {
+    "fp32": arguments["fp32"],
+    "fp16": arguments["fp32"],
+    "fp16-dynamic": arguments["fp32"] + sum(x.nbytes for x in dynamic),
+  }
   # The dynamic scale starts at 2^15 and halves after each skipped step (hysteresis 1).
   scales, skipped = results["fp16-dynamic"]["loss_scale"], results["fp16-dynamic"]["skipped"]
   assert scales[0] == 2.0**15

@@ -8,6 +8,7 @@ accumulators are checked against hand-made inputs, since no GPU runs here.
 import gzip
 import json
 import math
+import re
 import sys
 import time
 import types
@@ -68,7 +69,9 @@ def test_smoke_writes_every_recipe(smoke):
   for name, row in rows.items():
     assert row["label"] in md
     if "error" in row:
-      assert isinstance(row["error"], str) and row["error"]
+      # error_text's "TypeName: first line of the message", in the table where no time is.
+      assert re.fullmatch(r"[A-Za-z_]\w*: [^\n]*", row["error"]), (name, row["error"])
+      assert "ms" in row or f"| {row['label']} | {row['error']} |" in md, name
       continue
     assert _is_time(row["ms"]), (name, row)
     assert len(row["losses"]) == s.warmup + s.rounds * s.steps

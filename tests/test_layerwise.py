@@ -15,7 +15,14 @@ from jmp_lite.layerwise import _boundary, _check
 
 K = 5
 
+# The tests check values, not speed: compiled with XLA's backend optimizations off (on 2 CPU
+# cores compiling dominates their run time). Every compared pair compiles alike.
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
+
+# The random inputs are drawn by compiled functions: called eagerly, jax.random compiles its
+# sampler at XLA's default optimization level, about a second for each new shape on 2 cores.
+@functools.partial(jit, static_argnames=("seed", "width", "depth", "std"))
 def _params(seed=0, width=16, depth=K, std=0.5):
   key = jax.random.PRNGKey(seed)
   return [
@@ -24,6 +31,7 @@ def _params(seed=0, width=16, depth=K, std=0.5):
   ]
 
 
+@functools.partial(jit, static_argnames=("seed", "width"))
 def _batch(seed=1, width=16):
   key = jax.random.PRNGKey(seed)
   return jax.random.normal(key, (32, width)), jax.random.normal(jax.random.fold_in(key, 1), (32,))
@@ -59,24 +67,24 @@ deep_tanh_staged_f32 = functools.partial(deep_tanh, dtype=jnp.float32)
 residual_blocks_f32 = functools.partial(residual_blocks, dtype=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jit, static_argnums=0)
 def layerwise_grads(fun, scale, *args):
   """``scale.value_and_grad(fun)(*args)``, compiled."""
   return scale.value_and_grad(fun)(*args)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jit, static_argnums=0)
 def reference_grads(fun, *args):
   """Plain ``jax.grad(fun)(*args)``, compiled."""
   return jax.grad(fun)(*args)
 
 
-@jax.jit
+@jit
 def unscale(scale, grads):
   return scale.unscale(grads)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jit, static_argnums=0)
 def boundary_cotangent_amax(fun, scale, params, x, y, offsets):
   """max |d(scale * fun)/dh| at each boundary, by differentiating zero ``offsets`` added there."""
   cotangents = jax.grad(lambda o: fun(params, x, y, offsets=o) * scale)(offsets)
@@ -100,7 +108,7 @@ def _unit_scales(num_stages=K):
 
 
 def test_boundary_is_an_exact_identity_forward():
-  x = jax.random.normal(jax.random.PRNGKey(0), (4, 8)).astype(jnp.float16)
+  x = jit(lambda: jax.random.normal(jax.random.PRNGKey(0), (4, 8)).astype(jnp.float16))()
   assert jl.stage_boundary(x, 0) is x  # no active context
   scale = jl.LayerwiseLossScale([0, 1])
 
@@ -108,7 +116,7 @@ def test_boundary_is_an_exact_identity_forward():
     out = jl.stage_boundary(x * p, 0)
     return jnp.sum(out.astype(jnp.float32)), out
 
-  (_, out), _ = jax.jit(scale.value_and_grad(fun, has_aux=True))(jnp.float16(1), x)
+  (_, out), _ = jit(scale.value_and_grad(fun, has_aux=True))(jnp.float16(1), x)
   assert_bitwise_equal(out, x)
 
 
@@ -118,7 +126,7 @@ def test_equal_scales_give_plain_grad_bitwise():
   s = 2.0**12
   scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4]).with_scales([s] * K)
   loss, grads = _grads_with(scale, deep_tanh, params, x, y)
-  ref_loss, ref = jax.jit(jax.value_and_grad(lambda p: deep_tanh(p, x, y) * s))(params)
+  ref_loss, ref = jit(jax.value_and_grad(lambda p: deep_tanh(p, x, y) * s))(params)
   assert_bitwise_equal(grads.grads, ref)
   assert np.float32(loss) * np.float32(s) == np.float32(ref_loss)
   assert_bitwise_equal(unscale(scale, grads.grads), unscale(jl.StaticLossScale(s), ref))
@@ -146,9 +154,7 @@ def test_residual_blocks_match_fp32():
   scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4])
   tx = jl.loss_scaling(optax.sgd(0.0), scale)
   state = tx.init(params)
-  step = jax.jit(
-    lambda p, s: tx.update(jl.scaled_value_and_grad(residual_blocks, s)(p, x, y)[1], s, p)
-  )
+  step = jit(lambda p, s: tx.update(jl.scaled_value_and_grad(residual_blocks, s)(p, x, y)[1], s, p))
   for _ in range(3):  # back off from the initial overflow, then refresh from statistics
     _, state = step(params, state)
   # At 2^15 stage 4 overflows, then stage 3 at 2^14: two skipped steps, then a refresh.
@@ -177,7 +183,7 @@ def test_boundary_statistics_match_numpy():
     h = jl.stage_boundary(p["a"] * jnp.ones(8, jnp.float32), 0)
     return jnp.sum(h * c) * p["b"]
 
-  _, grads = jax.jit(scale.value_and_grad(fun))({"a": 1.0, "b": 1.0}, jnp.asarray(c))
+  _, grads = jit(scale.value_and_grad(fun))({"a": 1.0, "b": 1.0}, jnp.asarray(c))
   observed = c * 2.0**10
   nonzero = np.abs(observed[observed != 0])
   expected_hist = np.zeros(layerwise.HIST_BINS)
@@ -202,7 +208,7 @@ def test_scale_rule_and_predicted_underflow():
   tx = jl.loss_scaling(optax.sgd(0.0), scale)
   params = {"w": jnp.zeros(4)}
 
-  @jax.jit
+  @jit
   def step(state):
     _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["w"] * c), state)(params)
     return grads, tx.update(grads, state, params)[1]
@@ -228,7 +234,7 @@ def period_3_training():
   scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4], initial_scale=2.0**10, update_period=3)
   tx = jl.loss_scaling(optax.sgd(0.0), scale)
 
-  @jax.jit
+  @jit
   def step(state, poisoned):
     _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
     bad = [{"w": jnp.where(poisoned[k], jnp.inf, g["w"])} for k, g in enumerate(grads.grads)]
@@ -277,7 +283,7 @@ def test_overflow_is_skipped_and_the_non_finite_stages_back_off():
   tx = jl.loss_scaling(optax.adam(1e-2), scale)
   state = tx.init(params)
 
-  @jax.jit
+  @jit
   def step(state):
     _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
     # inf starting in stage 2 reaches stages 1 and 0 through the backward pass;
@@ -322,7 +328,7 @@ def _one_stage_steps(scale, gradients):
   tx = jl.loss_scaling(optax.sgd(0.0), scale)
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
-  update = jax.jit(lambda g, s: tx.update({"w": g}, s, params)[1])
+  update = jit(lambda g, s: tx.update({"w": g}, s, params)[1])
   out = []
   for g in gradients:
     state = update(jnp.asarray(g, jnp.float32), state)
@@ -391,9 +397,9 @@ def test_fp8_e5m2_gradient_target():
       h = jl.stage_boundary(h, k) if k < depth - 1 else h
     return jnp.mean((jnp.sum(h, axis=-1) - y) ** 2)
 
-  ref = jax.jit(lambda *a: jax.grad(model)(*a, fp8=False))(params, x, y)
+  ref = jit(lambda *a: jax.grad(model)(*a, fp8=False))(params, x, y)
 
-  @jax.jit
+  @jit
   def true_grads(scale):
     _, grads = scale.value_and_grad(model)(params, x, y)
     return scale.unscale(grads)  # a LayerwiseGrads, or a DynamicLossScale's gradients
@@ -401,9 +407,7 @@ def test_fp8_e5m2_gradient_target():
   def relative_errors(loss_scale):
     tx = jl.loss_scaling(optax.sgd(0.0), loss_scale)
     state = tx.init(params)
-    step = jax.jit(
-      lambda s: tx.update(jl.scaled_value_and_grad(model, s)(params, x, y)[1], s, params)
-    )
+    step = jit(lambda s: tx.update(jl.scaled_value_and_grad(model, s)(params, x, y)[1], s, params))
     for _ in range(3):  # settle the scales
       _, state = step(state)
     assert int(state.skipped_steps) == 0
@@ -433,11 +437,15 @@ def test_nan_without_inf_is_detected(bad):
 
 def test_scanned_stack_with_traced_boundary_index():
   depth, width = 4, 8
-  key = jax.random.PRNGKey(3)
-  params = {
-    "stack": jax.random.normal(key, (depth, width, width)) * 0.4 / np.sqrt(width),
-    "head": jax.random.normal(jax.random.fold_in(key, 1), (width,)),
-  }
+
+  @jit
+  def init(key):
+    return {
+      "stack": jax.random.normal(key, (depth, width, width)) * 0.4 / np.sqrt(width),
+      "head": jax.random.normal(jax.random.fold_in(key, 1), (width,)),
+    }
+
+  params = init(jax.random.PRNGKey(3))
   x, y = _batch(width=width)
 
   def model(p, x, y, dtype=jnp.float16, offsets=None):
@@ -456,12 +464,11 @@ def test_scanned_stack_with_traced_boundary_index():
   assert scale.num_stages == depth + 1
   scales = 2.0 ** np.asarray([18, 15, 12, 9, 6])
   scale = scale.with_scales(jnp.asarray(scales, jnp.float32))
-  _, grads = jax.jit(scale.value_and_grad(model))(params, x, y)
+  _, grads = jit(scale.value_and_grad(model))(params, x, y)
   assert not np.any(np.asarray(grads.boundary_stats.histogram))  # histograms are opt-in
   unscaled = unscale(scale, grads.grads)
-  ref, ref_cotangents = jax.jit(
-    jax.grad(lambda p, o: model(p, x, y, jnp.float32, o), argnums=(0, 1))
-  )(params, jnp.zeros((depth, x.shape[0], width)))
+  ref_grad = jit(jax.grad(lambda p, o: model(p, x, y, jnp.float32, o), argnums=(0, 1)))
+  ref, ref_cotangents = ref_grad(params, jnp.zeros((depth, x.shape[0], width)))
   for name in ("stack", "head"):
     r = np.asarray(ref[name])
     np.testing.assert_allclose(unscaled[name], r, rtol=0, atol=2e-2 * np.abs(r).max())
@@ -481,7 +488,7 @@ def test_trains_like_fp32_through_loss_scaling_traced_once():
     tx = jl.loss_scaling(optax.adam(3e-2), loss_scale)
     p, state = params, tx.init(params)
 
-    @jax.jit
+    @jit
     def step(p, state):
       loss, grads = jl.scaled_value_and_grad(lambda q: deep_tanh(q, x, y, dtype), state)(p)
       updates, state = tx.update(grads, state, p)
@@ -511,7 +518,7 @@ def trained_state():
   tx = jl.loss_scaling(optax.sgd(1.0), scale)
   params = {"a": jnp.ones(2), "b": jnp.ones((2, 3))}
 
-  @jax.jit
+  @jit
   def step(state):
     loss = lambda p: jnp.sum(p["a"]) + 8 * jnp.sum(p["b"])
     _, grads = jl.scaled_value_and_grad(loss, state)(params)
@@ -648,8 +655,8 @@ def test_check_stages_finds_wrong_stages_tied_weights_and_bypasses():
 
 def test_check_stages_on_a_scanned_stack():
   depth, width = 3, 8
-  key = jax.random.PRNGKey(0)
-  params = {"stack": jax.random.normal(key, (depth, width, width)) * 0.5 / np.sqrt(width)}
+  init = jit(lambda key: jax.random.normal(key, (depth, width, width)) * 0.5 / np.sqrt(width))
+  params = {"stack": init(jax.random.PRNGKey(0))}
   x, y = _batch(width=width)
 
   def model(p, x, y):
@@ -761,8 +768,8 @@ def test_scale_refuses_a_plain_grad_and_unscale_takes_layerwise_grads():
     jax.grad(lambda p: scale.scale(p["a"] * p["b"]))({"a": 1.0, "b": 2.0})
   fun = lambda p: jnp.sum(p["b"] * jl.stage_boundary(p["a"] * 3.0, 0))
   params = {"a": jnp.ones(2), "b": jnp.full(2, 2.0)}
-  _, grads = jax.jit(scale.value_and_grad(fun))(params)
-  true = jax.jit(jax.grad(fun))(params)
+  _, grads = jit(scale.value_and_grad(fun))(params)
+  true = jit(jax.grad(fun))(params)
   for unscaled in (unscale(scale, grads), unscale(scale, grads.grads)):
     np.testing.assert_array_equal(unscaled["a"], true["a"])  # exact: powers of two
     np.testing.assert_array_equal(unscaled["b"], true["b"])
@@ -786,7 +793,7 @@ def test_configuration_is_a_dataclass_with_the_users_param_stages():
   with pytest.raises(ValueError, match="amax_history must have shape"):
     dataclasses.replace(trained, amax_history_length=3)
   # Through jit and tree_map, unchanged.
-  back = jax.jit(lambda s: s)(scale)
+  back = jit(lambda s: s)(scale)
   assert back.param_stages == stages and back.initial_scale == scale.initial_scale
   with pytest.raises(ValueError, match="initial_scale"):
     jl.LayerwiseLossScale(stages, initial_scale=[1.0, 2.0])

@@ -491,7 +491,14 @@ KINDS = [
 
 @pytest.mark.parametrize("scale", KINDS, ids=lambda s: type(s).__name__)
 def test_every_kind_implements_the_contract(scale):
-  assert isinstance(scale, jl.LossScale)
+  # scale multiplies by loss_scale; adjust keeps the kind, and on overflow the kinds that
+  # adapt back off once (to half).
+  assert float(scale.scale(jnp.float32(3.0))) == 3.0 * float(scale.loss_scale)
+  backs_off = isinstance(scale, (jl.DynamicLossScale, jl.LayerwiseLossScale))
+  for finite, factor in ((True, 1.0), (False, 0.5 if backs_off else 1.0)):
+    adjusted = scale.adjust(jnp.asarray(finite))
+    assert type(adjusted) is type(scale)
+    assert float(adjusted.loss_scale) == factor * float(scale.loss_scale), finite
   params = {"w": jnp.asarray([1.0, -2.0]), "b": jnp.asarray(0.5)}
   loss_fn = lambda p, x: jnp.sum(p["w"] * x) + p["b"] ** 2
   x = jnp.asarray([3.0, 0.25])
@@ -544,16 +551,18 @@ def test_a_kind_written_by_a_user_plugs_into_loss_scaling():
   import optax
 
   scale = HalvingScale(jnp.float32(8.0))
-  assert isinstance(scale, jl.LossScale)
   tx = jl.loss_scaling(optax.sgd(1.0), scale)
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
+  assert jl.get_loss_scale(state) is scale  # taken as it is: it has the contract's members
   _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["w"]) * 3, state)(params)
   np.testing.assert_array_equal(grads["w"], [24.0, 24.0])
   updates, state = jax.jit(tx.update)(grads, state, params)
   np.testing.assert_array_equal(updates["w"], [-3.0, -3.0])
   _, state = tx.update({"w": jnp.asarray([jnp.inf, 0.0])}, state, params)
-  assert float(jl.get_loss_scale(state).loss_scale) == 4.0
+  # The user's own adjust ran: the next scale is a HalvingScale at half.
+  next_scale = jl.get_loss_scale(state)
+  assert type(next_scale) is HalvingScale and float(next_scale.loss_scale) == 4.0
   with pytest.raises(TypeError, match=r"jmp_lite\.LossScale"):
     jl.loss_scaling(optax.sgd(1.0), object())
 
@@ -581,11 +590,13 @@ def test_uniform_scale_value_reads_every_kind_of_scale_the_same_way():
     (True, "got bool"),
     ("2.0", "got str"),
     (None, "got NoneType"),
-    (jnp.ones(2), r"scalar, got shape \(2,\)"),
     (np.complex64(1), "real number, got dtype complex64"),
   ]:
     with pytest.raises(TypeError, match=match):
       read(bad)
+  # The right kind of value, but not one the scale can be: a ValueError.
+  with pytest.raises(ValueError, match=r"loss_scale must be a scalar, got shape \(2,\)"):
+    read(jnp.ones(2))
   for bad in (0.0, -2.0, np.inf, np.nan):
     with pytest.raises(ValueError, match="positive and finite"):
       read(bad)

@@ -50,8 +50,15 @@ def test_gradient_histogram_against_the_format_range(ax, tmp_path):
   (underflow_line,) = [line for line in ax.lines if line.get_label() == "underflow below"]
   # At S = 2^10, float16 keeps |g| from 2^-24 / 2^10 = 2^-34 up.
   assert underflow_line.get_xdata()[0] == pytest.approx(-34)
-  ax.figure.savefig(tmp_path / "hist.png")
-  assert (tmp_path / "hist.png").stat().st_size > 0
+  fig = ax.figure
+  fig.savefig(tmp_path / "hist.png")
+  # The file holds the figure: the pixels the canvas renders (RGBA, 8 bits per channel).
+  fig.canvas.draw()
+  rendered = np.asarray(fig.canvas.buffer_rgba())
+  width, height = np.round(fig.get_size_inches() * fig.dpi).astype(int)
+  assert rendered.shape == (height, width, 4)
+  png = plt.imread(tmp_path / "hist.png")
+  np.testing.assert_array_equal(np.round(png * 255).astype(np.uint8), rendered)
 
 
 def test_histogram_with_another_scale_and_single_layer(ax):

@@ -336,17 +336,27 @@ def test_get_fp8_policy_reads_the_same_grammar(text, error, match):
 
 
 @pytest.mark.parametrize(
-  "text, match",
+  "text, match, policy, fwd_dtype",
   [
-    ("p=f32,fp8=hybrid", r"Unknown key 'fp8' .*\(fp8= is read by get_fp8_policy\)"),
-    ("mixed_bfloat16,fp8=e5m2", "Unknown key 'fp8'"),
-    ("fp8=hybrid", "Unknown key 'fp8'"),
+    (
+      "p=f32,fp8=hybrid",
+      r"Unknown key 'fp8' .*\(fp8= is read by get_fp8_policy\)",
+      "p=f32",
+      "float8_e4m3fn",
+    ),
+    ("mixed_bfloat16,fp8=e5m2", "Unknown key 'fp8'", "mixed_bfloat16", "float8_e5m2"),
+    ("fp8=hybrid", "Unknown key 'fp8'", "p=f32,c=f32,o=f32", "float8_e4m3fn"),
   ],
 )
-def test_get_policy_points_fp8_keys_to_get_fp8_policy(text, match):
+def test_get_policy_points_fp8_keys_to_get_fp8_policy(text, match, policy, fwd_dtype):
   with pytest.raises(ValueError, match=match):
     jl.get_policy(text)
-  assert jl.fp8.get_fp8_policy(text).config is not None
+  # get_fp8_policy reads it: the policy of the other parts (float32 if none), the recipe's
+  # formats (E5M2 gradients in both) and the defaults for the rest.
+  expected = jl.fp8.Fp8Config(fwd_dtype=np.dtype(fwd_dtype), bwd_dtype=np.dtype("float8_e5m2"))
+  assert jl.fp8.get_fp8_policy(text) == jl.fp8.Fp8Policy(
+    policy=jl.get_policy(policy), config=expected
+  )
 
 
 @pytest.mark.parametrize(

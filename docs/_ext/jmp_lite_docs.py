@@ -97,21 +97,26 @@ class FormatsDirective(SphinxDirective):
 
 def api_entries(module_name: str, names: list[str]) -> list[str]:
   """autodoc directives for ``names`` of the module (submodules excluded)."""
+  import jmp_lite
+
   module = importlib.import_module(module_name)
   lines = []
   for name in names:
     obj = getattr(module, name)
     target = f"{module_name}.{name}"
+    # Also exported at the top level (jl.LayerwiseLossScale): documented there for the index.
+    also_top_level = module is not jmp_lite and getattr(jmp_lite, name, None) is obj
+    no_index = ["   :no-index:"] if also_top_level and name in jmp_lite.__all__ else []
     if inspect.ismodule(obj):
       continue
     if inspect.isclass(obj):
-      lines += [f".. autoclass:: {target}", "   :members:"]
+      lines += [f".. autoclass:: {target}", "   :members:", *no_index]
       if any(base.__module__.startswith("jmp_lite.") for base in obj.__mro__[1:]):
         lines += ["   :inherited-members:"]  # e.g. scale/unscale from the shared base
       if _is_namedtuple(obj) or obj.__doc__ is None:
         lines += ["   :undoc-members:"]
     elif callable(obj) and not isinstance(obj, (dict, tuple, list)):
-      lines += [f".. autofunction:: {target}"]
+      lines += [f".. autofunction:: {target}", *no_index]
     else:
       lines += _data_entry(target, name, obj)
     lines.append("")

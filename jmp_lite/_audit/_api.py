@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.extend as jex
 import numpy as np
 
+from jmp_lite import _jaxpr
 from jmp_lite._audit import _walk
 from jmp_lite._audit._config import AuditConfig
 from jmp_lite._audit._report import AuditReport
@@ -66,9 +66,10 @@ def audit_jaxpr(jaxpr: Any, audit_config: AuditConfig | None = None) -> AuditRep
   config = AuditConfig() if audit_config is None else audit_config
   if not isinstance(config, AuditConfig):
     raise TypeError(f"audit_config must be an AuditConfig, got {type(config).__name__}.")
-  if isinstance(jaxpr, jex.core.ClosedJaxpr):
+  core = _jaxpr.extend_core()
+  if isinstance(jaxpr, core.ClosedJaxpr):
     inner, consts = jaxpr.jaxpr, jaxpr.consts
-  elif isinstance(jaxpr, jex.core.Jaxpr):
+  elif isinstance(jaxpr, core.Jaxpr):
     inner, consts = jaxpr, [None] * len(jaxpr.constvars)
   else:
     raise TypeError(f"Expected a jaxpr (ClosedJaxpr or Jaxpr), got {type(jaxpr).__name__}.")

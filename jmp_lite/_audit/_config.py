@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from jmp_lite import _dtypes as dtypes
+from jmp_lite import _validation
 from jmp_lite._audit._checks import AUDIT_CHECKS
 from jmp_lite._audit._report import Finding
 
@@ -25,16 +26,6 @@ def _str_tuple(value: Any, name: str) -> tuple[str, ...]:
     if not isinstance(item, str):
       raise TypeError(f"{name} must contain strings, got {item!r} in {value!r}.")
   return tuple(value)
-
-
-def _positive_int(value: Any, name: str) -> int | None:
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be a positive int or None, got {value!r}.")
-  if value < 1:
-    raise ValueError(f"{name} must be >= 1, got {value}.")
-  return int(value)
 
 
 def _formats(value: Any) -> tuple[str, ...]:
@@ -122,14 +113,15 @@ class AuditConfig:
     set_ = lambda name, value: object.__setattr__(self, name, value)
     set_("formats", _formats(self.formats))
     set_("checks", _checks(self.checks))
-    set_("long_reduction", _positive_int(self.long_reduction, "long_reduction"))
-    set_("long_contraction", _positive_int(self.long_contraction, "long_contraction"))
-    if self.matmul_accumulation not in MATMUL_MODES:
-      raise ValueError(
-        f"matmul_accumulation must be one of {MATMUL_MODES}, got {self.matmul_accumulation!r}."
-      )
-    if not isinstance(self.include_backward, bool):
-      raise TypeError(f"include_backward must be a bool, got {self.include_backward!r}.")
+    for name in ("long_reduction", "long_contraction"):
+      set_(name, _validation.check_int(getattr(self, name), name, 1, optional=True))
+    set_(
+      "matmul_accumulation",
+      _validation.check_choice(
+        self.matmul_accumulation, "matmul_accumulation", MATMUL_MODES, type_error=False
+      ),
+    )
+    set_("include_backward", _validation.check_bool(self.include_backward, "include_backward"))
     for name in ("allow_primitives", "allow_locations", "allow_scopes", "library_paths"):
       set_(name, _str_tuple(getattr(self, name), name))
     if self.allow is not None and not callable(self.allow):

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmp_lite import _dtypes, _jaxpr, _validation
-from jmp_lite._loss_scale import LossScale
+from jmp_lite import _dtypes, _jaxpr
+from jmp_lite._loss_scale import uniform_scale_value
 
 DEFAULT_EXPONENT_RANGE = (-64, 16)
 
@@ -159,26 +158,6 @@ def _group_fn(group_by: Any) -> Callable[[str], str]:
   )
 
 
-def _scale_value(loss_scale: Any) -> jax.Array:
-  """The float32 scalar ``S`` of a number, a scalar array or a uniform loss scale."""
-  if isinstance(loss_scale, LossScale):
-    if not loss_scale.uniform:
-      raise TypeError(
-        f"loss_scale: a {type(loss_scale).__name__} gives each stage its own scale; pass the "
-        "scaled gradients (what fp16 stores) and loss_scale=1."
-      )
-    loss_scale = loss_scale.loss_scale
-  if isinstance(loss_scale, (bool, np.bool_)) or not isinstance(
-    loss_scale, (numbers.Real, np.ndarray, np.generic, jax.Array)
-  ):
-    raise TypeError(
-      "loss_scale must be a positive number, a scalar array or a jmp_lite.LossScale, "
-      f"got {type(loss_scale).__name__}."
-    )
-  scale = cast(jax.typing.ArrayLike, loss_scale)  # a Real that is an array-like
-  return _validation.as_scale(scale, "loss_scale").astype(jnp.float32)
-
-
 def _check_exponent_range(exponent_range: Any) -> tuple[int, int] | None:
   if exponent_range is None:
     return None
@@ -252,7 +231,9 @@ def gradient_statistics(
       float32's normal exponents.
   """
   info = _dtypes.format_info(format)
-  scale = _scale_value(loss_scale)
+  scale = uniform_scale_value(
+    loss_scale, instead="Pass the scaled gradients (what fp16 stores) and loss_scale=1."
+  )
   exponent_range = _check_exponent_range(exponent_range)
   group = _group_fn(group_by)
   groups: dict[str, list[_Counts]] = {}

@@ -67,6 +67,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from jmp_lite import _validation
+
 _F32 = np.dtype(np.float32)
 # The presets declared, by platform (see the module docstring): none on XLA:GPU, which
 # honours them but then emits every declared dot as a Triton gemm, never cuBLAS.
@@ -130,10 +132,8 @@ class _Options(NamedTuple):
 def _wide(value: Any, name: str) -> np.dtype | None:
   if value is None:
     return None
-  dtype = np.dtype(value)
-  if dtype != _F32:
-    raise ValueError(f"{name} must be None or float32, got {value!r}.")
-  return dtype
+  f32 = lambda d: d == _F32
+  return _validation.check_dtype(value, name, f32, "None or float32", as_given=True)
 
 
 def _options(output_dtype: Any, lhs_grad_dtype: Any, rhs_grad_dtype: Any) -> _Options | None:
@@ -173,9 +173,8 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
       outs = _bind_wide(eqn.primitive, params, wide, *(read(v) for v in eqn.invars))
     else:
       outs = eqn.primitive.bind(*(read(v) for v in eqn.invars), **params)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for var, val in zip(eqn.outvars, outs, strict=True):
+    results = outs if eqn.primitive.multiple_results else [outs]
+    for var, val in zip(eqn.outvars, results, strict=True):
       if not isinstance(var, jex_core.DropVar):
         env[var] = val
   return [read(v) for v in jaxpr.outvars]

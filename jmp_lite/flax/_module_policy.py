@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_lite import _dtypes as dtypes
+from jmp_lite import _validation
 from jmp_lite._policy import Policy, get_policy
 from jmp_lite.flax import _accumulate as accumulate
 from jmp_lite.flax._kernel_hooks import FLAX_HOOKS, KernelHook, kernel_updates
@@ -75,24 +76,19 @@ class ExplicitDtypeWarning(UserWarning):
 def _check_grad_reduction_dtype(value: Any) -> np.dtype | None:
   if value is None:
     return None
-  dtype = dtypes.parse_dtype(value)
-  if dtype != _F32:
-    raise ValueError(
-      f"grad_reduction_dtype must be None (the compute dtype) or float32, got {value!r}."
-    )
-  return dtype
+  expected = "None (the compute dtype) or float32"
+  f32 = lambda d: d == _F32
+  return _validation.check_dtype(value, "grad_reduction_dtype", f32, expected, as_given=True)
 
 
 def _check_dtype(value: Any, name: str) -> np.dtype | None:
   if value is None:
     return None
-  dtype = dtypes.parse_dtype(value)
-  if dtypes.is_float8(dtype):
-    raise ValueError(
-      f"{name}={dtype.name}: fp8 needs per-tensor scaling, which a module policy does not "
-      "provide; use jmp_lite's fp8 matmuls for fp8 compute."
-    )
-  return dtype
+  expected = (
+    "a floating dtype other than fp8 (fp8 needs per-tensor scaling, which a module policy does "
+    "not provide; use jmp_lite's fp8 matmuls for fp8 compute)"
+  )
+  return _validation.check_dtype(value, name, lambda d: not dtypes.is_float8(d), expected)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +136,7 @@ class ModulePolicy:
         raise TypeError(f"attribute names must be identifiers, got {name!r}.")
     # Read-only and hashable, so that a ModulePolicy can be static (jit, NNX graphdef).
     object.__setattr__(self, "attributes", types.MappingProxyType(dict(self.attributes)))
-    if not isinstance(self.recompute, (bool, np.bool_)):
-      raise TypeError(f"recompute must be a bool, got {self.recompute!r}.")
+    object.__setattr__(self, "recompute", _validation.check_bool(self.recompute, "recompute"))
 
   def _key(self):
     return (self.compute_dtype, self.output_dtype, tuple(self.attributes.items()), self.recompute)
@@ -223,12 +218,6 @@ class ModulePrecision(NamedTuple):
   recompute: bool
   policy_dtype: np.dtype
   explicit_dtype: np.dtype | None = None
-
-
-def _check_bool(value: Any, name: str) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool, got {value!r}.")
-  return bool(value)
 
 
 def _override_table(
@@ -363,20 +352,18 @@ class ModulePolicies:
         f"Policy {policy} computes in fp8, which needs per-tensor scaling that casting "
         "Flax modules cannot provide; use jmp_lite's fp8 matmuls for fp8 compute."
       )
-    if explicit_dtypes not in _EXPLICIT_DTYPES:
-      raise ValueError(
-        f"explicit_dtypes must be one of {', '.join(map(repr, _EXPLICIT_DTYPES))}; got "
-        f"{explicit_dtypes!r}."
-      )
+    check_bool = _validation.check_bool
     fields = {
       "policy": policy,
       "overrides": _override_table(
-        overrides, _check_bool(use_default_overrides, "use_default_overrides")
+        overrides, check_bool(use_default_overrides, "use_default_overrides")
       ),
-      "fp32_accumulation": _check_bool(fp32_accumulation, "fp32_accumulation"),
-      "fp32_softmax": _check_bool(fp32_softmax, "fp32_softmax"),
+      "fp32_accumulation": check_bool(fp32_accumulation, "fp32_accumulation"),
+      "fp32_softmax": check_bool(fp32_softmax, "fp32_softmax"),
       "grad_reduction_dtype": _check_grad_reduction_dtype(grad_reduction_dtype),
-      "explicit_dtypes": explicit_dtypes,
+      "explicit_dtypes": _validation.check_choice(
+        explicit_dtypes, "explicit_dtypes", _EXPLICIT_DTYPES, type_error=False
+      ),
     }
     if fields["grad_reduction_dtype"] is not None and not fields["fp32_accumulation"]:
       raise ValueError(

@@ -29,6 +29,7 @@ import jax
 import optax
 from flax import nnx
 
+from jmp_lite import _validation
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, select_tree
 from jmp_lite._transform import LossScalingState, get_loss_scaling_state, loss_scaling
 from jmp_lite.flax._state import has_loss_scaling
@@ -119,8 +120,7 @@ class Optimizer(nnx.Optimizer[M]):
     Raises:
       TypeError: if ``argnums`` is not an int.
     """
-    if isinstance(argnums, bool) or not isinstance(argnums, int):
-      raise TypeError(f"argnums must be an int (the position of the model), got {argnums!r}.")
+    argnums = _validation.check_int(argnums, "argnums", None)  # negative counts from the end
     scale = self.loss_scale
     grad_fn = scale.value_and_grad(
       fun,

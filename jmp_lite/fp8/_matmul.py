@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jmp_lite import _dtypes as dtypes
+from jmp_lite import _validation
 from jmp_lite._context import Ambient
 from jmp_lite._fp8_config import F32, Fp8Config, as_config
 from jmp_lite._loss_scale import uniform_scale_value
@@ -211,10 +212,9 @@ def check_operand(x: Any, name: str) -> jax.Array:
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"fp8 {name} must be a floating-point array, got dtype {x.dtype}.")
-  if dtypes.is_float8(x.dtype):
-    raise ValueError(
-      f"fp8 {name} must be in 16 or 32 bits (it is quantized here with its scale), got {x.dtype}."
-    )
+  not_fp8 = lambda d: not dtypes.is_float8(d)
+  expected = "in 16 or 32 bits (it is quantized here with its scale)"
+  _validation.check_dtype(x.dtype, f"fp8 {name}", not_fp8, expected)
   return x
 
 

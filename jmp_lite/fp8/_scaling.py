@@ -17,7 +17,6 @@ from jmp_lite._fp8_config import (
   Fp8Config,
   as_config,
   as_fp8_dtype,
-  check_history_length,
   check_margin,
 )
 
@@ -83,7 +82,7 @@ def init_scale_state(amax_history_length: int = 1024) -> Fp8ScaleState:
   >>> init_scale_state(2)
   Fp8ScaleState(scale=Array(1., dtype=float32), amax_history=Array([0., 0.], dtype=float32))
   """
-  length = check_history_length(amax_history_length)
+  length = _validation.check_int(amax_history_length, "amax_history_length", 1)
   return Fp8ScaleState(jnp.ones((), F32), jnp.zeros((length,), F32))
 
 

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _dtypes as dtypes
 from jmp_lite import _tree_util, _validation
 from jmp_lite._loss_scale import grad_of_scaled_loss
 from jmp_lite._tree_util import DERIVED, STATIC
@@ -373,16 +372,6 @@ def _unscaled(
   return jax.tree.unflatten(treedef, unscaled), leaves, specs
 
 
-def _check_bound(value: Any, name: str, num_stages: int) -> tuple[float, ...]:
-  try:
-    values = np.broadcast_to(np.asarray(value, np.float64), (num_stages,))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{name} must be a scalar or one value per stage, got {value!r}.") from e
-  if not np.all(np.isfinite(values)) or np.any(values <= 0):
-    raise ValueError(f"{name} must be positive and finite, got {value!r}.")
-  return tuple(float(v) for v in values)
-
-
 def _checked_fields(scale: LayerwiseLossScale) -> dict[str, Any]:
   """Every field of a new ``scale``, checked and normalized; the state built if omitted."""
   treedef, specs, largest = flatten_stages(scale.param_stages)
@@ -399,21 +388,22 @@ def _checked_fields(scale: LayerwiseLossScale) -> dict[str, Any]:
     "margin_bits": check_int(scale.margin_bits, "margin_bits", 0),
     "amax_history_length": check_int(scale.amax_history_length, "amax_history_length", 1),
     "backoff_factor": check_int(scale.backoff_factor, "backoff_factor", 2),
+    "histograms": _validation.check_bool(scale.histograms, "histograms"),
   }
-  if not isinstance(scale.histograms, bool):
-    raise TypeError(f"histograms must be a bool, got {scale.histograms!r}.")
   if not 0 < float(scale.underflow_fraction) < 1:
     raise ValueError(f"underflow_fraction must be in (0, 1), got {scale.underflow_fraction}.")
-  gradient_dtype = dtypes.parse_dtype(scale.gradient_dtype)
-  if gradient_dtype.name not in ("float16", "float8_e5m2"):
-    raise ValueError(f"gradient_dtype must be float16 or float8_e5m2, got {gradient_dtype.name}.")
-  config["gradient_dtype"] = gradient_dtype
-  low = _check_bound(scale.min_loss_scale, "min_loss_scale", k)
-  high = _check_bound(scale.max_loss_scale, "max_loss_scale", k)
+  config["gradient_dtype"] = _validation.check_dtype(
+    scale.gradient_dtype,
+    "gradient_dtype",
+    lambda d: d.name in ("float16", "float8_e5m2"),
+    "float16 or float8_e5m2",
+  )
+  bounds = lambda name: _validation.as_bounds(getattr(scale, name), name, k, np.dtype(np.float32))
+  low, high = bounds("min_loss_scale"), bounds("max_loss_scale")
   if any(lo > hi for lo, hi in zip(low, high, strict=True)):
     raise ValueError(f"min_loss_scale {low} exceeds max_loss_scale {high}.")
   config["min_loss_scale"], config["max_loss_scale"] = low, high
-  initial = _check_bound(scale.initial_scale, "initial_scale", k)
+  initial = bounds("initial_scale")
   config["initial_scale"] = initial[0] if np.ndim(scale.initial_scale) == 0 else initial
   initial_state = {
     "scales": np.clip(initial, low, high).astype(np.float32),

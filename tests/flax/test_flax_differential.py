@@ -601,7 +601,12 @@ def test_policy_apply_modules_match_fp32_flax(seed, scale):
   for name, ((grads, (out, state)), (ref_grads, (ref_out, ref_state))) in results.items():
     assert out.dtype == F32 and {g.dtype for g in jax.tree.leaves(grads)} == {F32}, name
     errors = leaf_rel_errors((grads, out, state), (ref_grads, ref_out, ref_state))
-    assert len(errors) >= 4, (name, errors)  # parameter (and input) gradients, the output
+    # Compared: every parameter's gradient, the input's (floating inputs), the output and
+    # every updated statistic.
+    _, _, kind, mutable = MODULES[name]
+    compared = [variables[name]["params"], *(variables[name][c] for c in mutable)]
+    expected = len(jax.tree.leaves(compared)) + (kind == "float") + 1
+    assert len(errors) == expected, (name, errors)
     assert max(errors.values()) <= 0.05, (name, errors)
   (_, (_, state)), _ = results["BatchNorm"]
   assert set(state["batch_stats"]["layer"]) == {"mean", "var"}

@@ -12,17 +12,19 @@ import jmp_lite.flax as jlf
 F16_POLICY = "params=float32,compute=float16,output=float32"
 
 
-def _lm(layers=3):
-  model, toks = LinenLM(layers=layers), tokens()
+@pytest.fixture(scope="module")
+def lm():
+  """(model, variables, tokens, its stages by block): a 3-block LM, initialised once."""
+  model, toks = LinenLM(layers=3), tokens()
   variables = jit(model.init)(jax.random.key(0), toks)
-  return model, variables, toks
-
-
-def test_stages_from_block_calls():
-  model, variables, toks = _lm()
   stages = jlf.layerwise_stages(
     model, variables, toks, stage_modules=LinenBlock, overrides={"pos": 0}
   )
+  return model, variables, toks, stages
+
+
+def test_stages_from_block_calls(lm):
+  *_, stages = lm
   assert stages.num_stages == 4
   assert stages.stage_paths == (("LinenBlock_0",), ("LinenBlock_1",), ("LinenBlock_2",))
   s = stages.param_stages
@@ -31,8 +33,8 @@ def test_stages_from_block_calls():
   assert s["Dense_0"]["kernel"] == 3 and s["LayerNorm_0"]["scale"] == 3
 
 
-def test_root_parameter_needs_an_override_and_tied_weights_are_rejected():
-  model, variables, toks = _lm()
+def test_root_parameter_needs_an_override_and_tied_weights_are_rejected(lm):
+  model, variables, toks, _ = lm
   with pytest.raises(ValueError, match="Parameter pos belongs to module <root>"):
     jlf.layerwise_stages(model, variables, toks, stage_modules=LinenBlock)
 
@@ -45,8 +47,10 @@ def test_root_parameter_needs_an_override_and_tied_weights_are_rejected():
 
   x = jnp.ones((2, 3, 4))
   tied = Tied()
+  # layerwise_stages traces abstractly: the variables' shapes are all it reads.
+  tied_variables = jax.eval_shape(tied.init, jax.random.key(0), x)
   with pytest.raises(ValueError, match="Dense_0"):
-    jlf.layerwise_stages(tied, tied.init(jax.random.key(0), x), x, stage_modules=LinenBlock)
+    jlf.layerwise_stages(tied, tied_variables, x, stage_modules=LinenBlock)
   with pytest.raises(ValueError, match="No stage module ran"):
     jlf.layerwise_stages(model, variables, toks, stage_modules=nn.Conv, overrides={"pos": 0})
   with pytest.raises(TypeError, match="linen Module classes"):
@@ -56,28 +60,23 @@ def test_root_parameter_needs_an_override_and_tied_weights_are_rejected():
 def test_sequential_children_are_stages():
   model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(8), nn.Dense(2)])
   x = jnp.ones((4, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)  # only shapes are read
   stages = jlf.layerwise_stages(model, variables, x, sequential_children=True)
   # nn.tanh is a function, not a module: three module children, four stages.
   assert stages.num_stages == 4
   assert [stages.param_stages[f"layers_{i}"]["kernel"] for i in (0, 2, 3)] == [0, 1, 2]
 
 
-def test_wrapped_apply_is_the_identity_outside_layerwise_gradients():
-  model, variables, toks = _lm()
-  stages = jlf.layerwise_stages(
-    model, variables, toks, stage_modules=LinenBlock, overrides={"pos": 0}
-  )
+def test_wrapped_apply_is_the_identity_outside_layerwise_gradients(lm):
+  model, variables, toks, stages = lm
   apply_fn = stages.wrap(jlf.policy_apply(model, F16_POLICY))
   plain = jlf.policy_apply(model, F16_POLICY)
-  np.testing.assert_array_equal(apply_fn(variables, toks), plain(variables, toks))
+  wrapped, ref = jit(lambda v: (apply_fn(v, toks), plain(v, toks)))(variables)
+  np.testing.assert_array_equal(wrapped, ref)
 
 
-def test_linen_model_trains_in_fp16_with_layerwise_scaling_unedited():
-  model, variables, toks = _lm()
-  stages = jlf.layerwise_stages(
-    model, variables, toks, stage_modules=LinenBlock, overrides={"pos": 0}
-  )
+def test_linen_model_trains_in_fp16_with_layerwise_scaling_unedited(lm):
+  model, variables, toks, stages = lm
 
   def train(apply_fn, loss_scale, steps=12):
     state = jlf.TrainState.create(
@@ -110,25 +109,24 @@ def test_linen_model_trains_in_fp16_with_layerwise_scaling_unedited():
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
 
 
-def test_stage_gradients_match_fp32():
-  model, variables, toks = _lm()
-  stages = jlf.layerwise_stages(
-    model, variables, toks, stage_modules=LinenBlock, overrides={"pos": 0}
-  )
+def test_stage_gradients_match_fp32(lm):
+  model, variables, toks, stages = lm
   scale = stages.loss_scale()
   scale = scale.with_scales(jnp.asarray([2.0**16, 2.0**13, 2.0**10, 2.0**7], jnp.float32))
   apply_fn = stages.wrap(jlf.policy_apply(model, F16_POLICY))
   loss = lambda p: lm_loss(apply_fn({"params": p}, toks), toks)
-  _, grads = jit(scale.value_and_grad(loss))(variables["params"])
-  assert grads.boundary_stats.amax.shape == (3,)
-  unscaled = scale.unscale(grads.grads)
   # The reference: the same fp16 forward pass with one scale that suits every stage.
   static = jl.StaticLossScale(2.0**10)
-  _, ref = jit(jl.scaled_value_and_grad(loss, static))(variables["params"])
-  ref = static.unscale(ref)
-  ref32 = jit(jax.grad(lambda p: lm_loss(model.apply({"params": p}, toks), toks)))(
-    variables["params"]
-  )
+
+  @jit
+  def gradients(params):  # ours and both references, compiled as one program
+    _, grads = scale.value_and_grad(loss)(params)
+    _, ref = jl.scaled_value_and_grad(loss, static)(params)
+    ref32 = jax.grad(lambda p: lm_loss(model.apply({"params": p}, toks), toks))(params)
+    return grads.boundary_stats.amax, scale.unscale(grads.grads), static.unscale(ref), ref32
+
+  amax, unscaled, ref, ref32 = gradients(variables["params"])
+  assert amax.shape == (3,)
   leaves = (jax.tree.leaves(unscaled), jax.tree.leaves(ref), jax.tree.leaves(ref32))
   for g, r, r32 in zip(*leaves, strict=True):
     assert g.dtype == jnp.float32

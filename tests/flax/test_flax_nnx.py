@@ -20,6 +20,7 @@ from flax_testing import (
   in_dtypes,
   jit,
   lm_loss,
+  nnx_model,
   out_dtype,
   primitive_dtypes,
   products,
@@ -48,12 +49,13 @@ def _lm_loss(policy=POLICY, **options):
 
 
 def test_transformer_matmuls_are_16_bit_and_islands_are_fp32():
-  loss, params = _param_fn(NnxLM(rngs=nnx.Rngs(0)), _lm_loss())
-  jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+  loss, params = _param_fn(nnx_model(NnxLM), _lm_loss())
+  traced = jax.jit(jax.grad(loss)).trace(params)  # one trace: its jaxpr and its HLO
+  jaxpr = traced.jaxpr
   # 9 forward, 17 backward products, and the softmax backward's row sums <dp, p>; two
   # fp32 results: those row sums and the head's (the model's output, fp32 logits).
   assert check_lean_products(jaxpr, wide=2) >= 27
-  assert check_hlo_products(jax.jit(jax.grad(loss)).lower(params).as_text(), wide=2) >= 27
+  assert check_hlo_products(traced.lower().as_text(), wide=2) >= 27
   for name in ("exp", "log", "rsqrt", "reduce_max"):
     assert primitive_dtypes(jaxpr, name) == {F32}, name
 
@@ -144,7 +146,7 @@ def test_inputs_parameters_and_outputs_have_their_dtypes():
 
 
 def test_view_leaves_the_model_alone_and_shares_its_state():
-  model, x = NnxConvNet(rngs=nnx.Rngs(0)), images()
+  model, x = nnx_model(NnxConvNet), images()
   kernel = model.conv1.kernel
   view = jlf.policy_view(model, POLICY)
   assert view.conv1.kernel.dtype == BF16 and view.bn.scale.dtype == F32  # read through
@@ -167,7 +169,7 @@ def test_view_leaves_the_model_alone_and_shares_its_state():
 
 
 def test_gradients_in_param_dtype_and_close_to_fp32():
-  model, toks = NnxLM(rngs=nnx.Rngs(0)), tokens()
+  model, toks = nnx_model(NnxLM), tokens()
   ref_loss, params = _param_fn(model, lambda m: lm_loss(m(toks), toks))
   loss, _ = _param_fn(model, _lm_loss())
   logits, _ = _param_fn(model, lambda m: (m(toks), jlf.policy_view(m, POLICY)(toks)))
@@ -184,7 +186,7 @@ def test_gradients_in_param_dtype_and_close_to_fp32():
 
 
 def test_overrides_are_honoured():
-  model = NnxLM(rngs=nnx.Rngs(0))
+  model = nnx_model(NnxLM)
   jaxpr = lambda **options: jax.make_jaxpr(jax.grad(_param_fn(model, _lm_loss(**options))[0]))(
     nnx.state(model, nnx.Param)
   )
@@ -215,18 +217,22 @@ OPTIONS = {
 
 
 def test_a_module_policies_runs_the_view_as_its_keywords_do():
-  model = NnxLM(rngs=nnx.Rngs(0))
+  model = nnx_model(NnxLM)
   policies = jlf.ModulePolicies(POLICY, **OPTIONS)
   by_object, params = _param_fn(model, _lm_loss(policies))
   by_keywords, _ = _param_fn(model, _lm_loss(**OPTIONS))
-  program = lambda loss: str(jax.make_jaxpr(jax.value_and_grad(loss))(params))
-  assert program(by_object) == program(by_keywords) != program(_param_fn(model, _lm_loss())[0])
+  programs = []  # each traced once, its warnings recorded as it is
+  program = lambda loss: programs.append(str(jax.make_jaxpr(jax.value_and_grad(loss))(params)))
   assert not explicit_dtype_warnings(program, by_object)
+  program(by_keywords)
+  program(_param_fn(model, _lm_loss())[0])
+  assert programs[0] == programs[1] != programs[2]
   warned, _ = _param_fn(model, _lm_loss(use_default_overrides=False))
   assert len(explicit_dtype_warnings(program, warned)) == 1
-  (loss, grads), (ref_loss, ref_grads) = (
-    jit(jax.value_and_grad(fn))(params) for fn in (by_object, by_keywords)
-  )
+  # Both run, compiled as one program.
+  (loss, grads), (ref_loss, ref_grads) = jit(
+    lambda p: [jax.value_and_grad(fn)(p) for fn in (by_object, by_keywords)]
+  )(params)
   np.testing.assert_array_equal(loss, ref_loss)
   assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
   jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)
@@ -238,7 +244,7 @@ def test_a_module_policies_runs_the_view_as_its_keywords_do():
 
 
 def test_methods_and_attributes_read_through_the_view():
-  model = NnxLM(rngs=nnx.Rngs(0))
+  model = nnx_model(NnxLM)
   view = jlf.policy_view(model, POLICY)
   assert view.head.kernel.dtype == BF16 and view.block.norm1.scale.dtype == F32
   assert isinstance(view.embed.module, nnx.Embed) and view.embed.num_embeddings == 32
@@ -255,7 +261,7 @@ def _dtypes_in(jaxpr) -> set:
 
 
 def test_no_policy_state_leaks_between_calls():
-  lm, conv, toks, x = NnxLM(rngs=nnx.Rngs(0)), NnxConvNet(rngs=nnx.Rngs(1)), tokens(), images()
+  lm, conv, toks, x = nnx_model(NnxLM), nnx_model(NnxConvNet, 1), tokens(), images()
   jax.make_jaxpr(lambda: jlf.policy_view(lm, POLICY)(toks))()
   plain = jax.make_jaxpr(lambda: (lm(toks), nnx.view(conv, use_running_average=True)(x)))()
   assert _dtypes_in(plain) <= {F32, np.dtype(np.int32), np.dtype(bool), np.dtype(np.uint32)}
@@ -266,7 +272,7 @@ def test_no_policy_state_leaks_between_calls():
 
 
 def test_works_under_jit_grad_vmap_and_scan():
-  model, toks = NnxLM(rngs=nnx.Rngs(0)), tokens(batch=3)
+  model, toks = nnx_model(NnxLM), tokens(batch=3)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   loss = lambda view, t: lm_loss(view(t[None]), t[None])
 
@@ -281,7 +287,8 @@ def test_works_under_jit_grad_vmap_and_scan():
 
   batched, per_example, losses = run(params)
   np.testing.assert_allclose(per_example, batched, atol=1e-6)
-  expected = [lm_loss(batched[i : i + 1], toks[i : i + 1]) for i in range(3)]
+  example_loss = jit(lm_loss)
+  expected = [example_loss(batched[i : i + 1], toks[i : i + 1]) for i in range(3)]
   np.testing.assert_allclose(losses, expected, rtol=1e-5)
 
   def accumulate(params):  # gradient accumulation over micro-batches
@@ -291,12 +298,13 @@ def test_works_under_jit_grad_vmap_and_scan():
 
     return jax.lax.scan(step, jax.tree.map(jnp.zeros_like, params), toks)[0]
 
-  assert {g.dtype for g in jax.tree.leaves(jax.eval_shape(accumulate, params))} == {F32}
-  assert check_lean_products(jax.make_jaxpr(accumulate)(params), wide=2) >= 27
+  jaxpr = jax.make_jaxpr(accumulate)(params)
+  assert {np.dtype(a.dtype) for a in jaxpr.out_avals} == {F32}
+  assert check_lean_products(jaxpr, wide=2) >= 27
 
 
 def test_convnet_batchnorm_in_fp32():
-  model, x = NnxConvNet(rngs=nnx.Rngs(0)), images()
+  model, x = nnx_model(NnxConvNet), images()
   loss, params = _param_fn(model, lambda m: jnp.mean(jlf.policy_view(m, POLICY)(x) ** 2))
   jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
   assert check_lean_products(jaxpr, wide=1) >= 5
@@ -395,7 +403,7 @@ def test_bad_input_is_rejected(make, error, match):
 def test_the_output_layer_returns_fp32_also_when_first_called_under_a_transform():
   # The view finds its output layer on its first call; here that call is inside
   # jax.vmap, a trace below the one the view was built at.
-  graphdef, state = nnx.split(NnxLM(rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(nnx_model(NnxLM))
   toks = tokens(batch=2)
 
   def run(state, batched):
@@ -407,7 +415,7 @@ def test_the_output_layer_returns_fp32_also_when_first_called_under_a_transform(
   jaxpr = jax.make_jaxpr(lambda s: run(s, True))(state)
   (head,) = [e for e in products(jaxpr) if out_dtype(e) == F32 and BF16 in in_dtypes(e)]
   assert head.outvars[0].aval.shape[-1] == 32  # the vocabulary head, under vmap
-  batched, plain = (jax.jit(run, static_argnums=1)(state, b) for b in (True, False))
+  batched, plain = jit(lambda s: (run(s, True), run(s, False)))(state)
   np.testing.assert_allclose(batched, plain, rtol=1e-5, atol=1e-5)
 
 

@@ -4,7 +4,18 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_testing import F32, NnxConvNet, NnxLM, images, jit, leaf_rel_errors, lm_loss, tokens
+from flax_testing import (
+  F32,
+  NnxConvNet,
+  NnxLM,
+  images,
+  jit,
+  leaf_rel_errors,
+  lm_loss,
+  nnx_compiled,
+  nnx_model,
+  tokens,
+)
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
@@ -21,32 +32,15 @@ def train_step(model, optimizer, toks):
   return loss
 
 
-def compiled_step(model, optimizer):
-  """``nnx.jit(train_step)``, spelled out with split/merge to pass compiler options."""
-  graphdef, _ = nnx.split((model, optimizer))
-
-  @jit
-  def pure(state, toks):
-    model, optimizer = nnx.merge(graphdef, state)
-    return train_step(model, optimizer, toks), nnx.state((model, optimizer))
-
-  def step(toks):
-    loss, state = pure(nnx.state((model, optimizer)), toks)
-    nnx.update((model, optimizer), state)
-    return loss
-
-  return step
-
-
 def _params(model):
   return [np.asarray(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
 def test_nnx_model_trains_in_fp16_with_dynamic_loss_scaling():
-  model, toks = NnxLM(rngs=nnx.Rngs(0)), tokens()
+  model, toks = nnx_model(NnxLM), tokens()
   scale = jl.DynamicLossScale(jnp.float32(2.0**10), period=2)
   optimizer = jlf.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param, loss_scale=scale)
-  step = compiled_step(model, optimizer)
+  step = nnx_compiled(train_step, model, optimizer)
   losses = [float(step(toks)) for _ in range(4)]
   assert losses[-1] < losses[0] - 0.3
   state = optimizer.loss_scaling_state
@@ -69,7 +63,7 @@ def test_nnx_model_trains_in_fp16_with_dynamic_loss_scaling():
 
 
 def test_without_loss_scale_it_is_nnx_optimizer():
-  model, toks = NnxLM(rngs=nnx.Rngs(0)), tokens()
+  model, toks = nnx_model(NnxLM), tokens()
   optimizer = jlf.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   assert isinstance(optimizer, nnx.Optimizer)
   assert isinstance(optimizer.loss_scale, jl.NoOpLossScale)
@@ -86,7 +80,7 @@ def test_without_loss_scale_it_is_nnx_optimizer():
 
 
 def test_value_and_grad_has_aux_and_validates_argnums():
-  model, toks = NnxLM(rngs=nnx.Rngs(0)), tokens()
+  model, toks = nnx_model(NnxLM), tokens()
   optimizer = jlf.Optimizer(
     model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=jl.StaticLossScale(jnp.float32(8.0))
   )
@@ -127,7 +121,7 @@ class StagedMlp(nnx.Module):
 
 
 def test_layerwise_loss_scale_gives_true_gradients():
-  model, x = StagedMlp(rngs=nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (4, 3))
+  model, x = nnx_model(StagedMlp), jit(lambda: jax.random.normal(jax.random.key(1), (4, 3)))()
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   stages = jax.tree_util.tree_map_with_path(
     lambda path, _: 2 if path[0].key == "head" else path[1].key, params
@@ -136,15 +130,14 @@ def test_layerwise_loss_scale_gives_true_gradients():
   lr = 2.0**-3
   optimizer = jlf.Optimizer(model, optax.sgd(lr), wrt=nnx.Param, loss_scale=scale)
   loss_fn = lambda m: jnp.sum(m(x) ** 2)
-  true = nnx.as_pure(nnx.grad(loss_fn)(model))
 
-  @nnx.jit
-  def step(model, optimizer):
+  def step(model, optimizer):  # the reference, then the step, compiled as one program
+    true = nnx.grad(loss_fn)(model)
     _, grads = optimizer.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
-    return grads
+    return nnx.as_pure(true), grads
 
-  grads = step(model, optimizer)
+  true, grads = nnx_compiled(step, model, optimizer)()
   assert isinstance(grads, jl.LayerwiseGrads)
   moved = jax.tree.map(lambda a, b: (b - a) / -lr, params, nnx.as_pure(nnx.state(model, nnx.Param)))
   for name, err in leaf_rel_errors(moved, true).items():
@@ -153,28 +146,30 @@ def test_layerwise_loss_scale_gives_true_gradients():
 
 
 def test_a_skipped_step_keeps_batch_stats():
-  model, x = NnxConvNet(rngs=nnx.Rngs(0)), images()
+  model, x = nnx_model(NnxConvNet), images()
   optimizer = jlf.Optimizer(
     model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=jl.DynamicLossScale(jnp.float32(2.0**10))
   )
 
-  @nnx.jit
-  def step(model, optimizer, x):
+  def train_step(model, optimizer, x):
     loss_fn = lambda m: jnp.mean(jlf.policy_view(m, F16_POLICY)(x) ** 2)
     _, grads = optimizer.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
+
+  step = nnx_compiled(train_step, model, optimizer)
 
   def snapshot():
     return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Not(nnx.RngState)))]
 
   before = snapshot()
-  step(model, optimizer, x.at[0, 0, 0, 0].set(jnp.inf))
+  step(x.at[0, 0, 0, 0].set(jnp.inf))
   assert not bool(optimizer.loss_scaling_state.last_finite)
   for a, b in zip(snapshot(), before, strict=True):
     np.testing.assert_array_equal(a, b)  # params and BatchStat alike
-  step(model, optimizer, x)
+  step(x)
   assert bool(optimizer.loss_scaling_state.last_finite)
-  ref = NnxConvNet(rngs=nnx.Rngs(0))
-  jlf.policy_view(ref, F16_POLICY)(x)  # the forward pass alone updates the statistics
+  ref = nnx_model(NnxConvNet)
+  # The forward pass alone updates the statistics.
+  nnx_compiled(lambda m: jlf.policy_view(m, F16_POLICY)(x), ref)()
   np.testing.assert_allclose(model.bn.mean[...], ref.bn.mean[...], rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(model.bn.var[...], ref.bn.var[...], rtol=1e-6, atol=1e-7)

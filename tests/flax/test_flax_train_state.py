@@ -6,7 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax_testing import F32, LinenConvNet, LinenLM, images, jit, leaf_rel_errors, lm_loss, tokens
+from flax_testing import (
+  F32,
+  LinenConvNet,
+  LinenLM,
+  images,
+  jit,
+  leaf_rel_errors,
+  linen_init,
+  lm_loss,
+  tokens,
+)
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
@@ -24,7 +34,7 @@ def _train_step(state, toks):
 
 def test_linen_model_trains_in_fp16_with_dynamic_loss_scaling():
   model, toks = LinenLM(), tokens()
-  params = jit(model.init)(jax.random.key(0), toks)["params"]
+  params = linen_init(model, jax.random.key(0), toks)["params"]
 
   step = jit(_train_step)
   initial = jlf.TrainState.create(
@@ -77,7 +87,7 @@ def _bn_step(state, x):
 
 def test_subclass_with_batch_stats_and_no_loss_scaling():
   model, x = LinenConvNet(), images()
-  variables = jit(model.init)(jax.random.key(0), x)
+  variables = linen_init(model, jax.random.key(0), x)
   state = StateWithStats.create(
     apply_fn=model.apply,
     params=variables["params"],
@@ -156,7 +166,7 @@ class StateWithRequiredStats(jlf.TrainState):
 
 def test_a_skipped_step_keeps_batch_stats():
   model, x = LinenConvNet(), images()
-  variables = jit(model.init)(jax.random.key(0), x)
+  variables = linen_init(model, jax.random.key(0), x)
   state = StateWithRequiredStats.create(
     apply_fn=model.apply,
     params=variables["params"],
@@ -194,8 +204,8 @@ def test_a_skipped_step_keeps_batch_stats():
 
 def test_layerwise_loss_scale_gives_true_gradients():
   model = nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(8), nn.tanh, nn.Dense(2)])
-  x = jax.random.normal(jax.random.key(1), (4, 3))
-  params = model.init(jax.random.key(0), x)["params"]
+  x = jit(lambda: jax.random.normal(jax.random.key(1), (4, 3)))()
+  params = jit(model.init)(jax.random.key(0), x)["params"]
   stages = jlf.layerwise_stages(model, {"params": params}, x, sequential_children=True)
   scale = stages.loss_scale().with_scales(2.0 ** np.arange(12, 12 - 3 * stages.num_stages, -3))
   lr = 2.0**-3
@@ -203,12 +213,16 @@ def test_layerwise_loss_scale_gives_true_gradients():
     apply_fn=stages.wrap(model.apply), params=params, tx=optax.sgd(lr), loss_scale=scale
   )
 
-  def loss_fn(p):
-    return jnp.sum(state.apply_fn({"params": p}, x) ** 2)
+  @jit
+  def step(state):  # the step and the reference, compiled as one program
+    def loss_fn(p):
+      return jnp.sum(state.apply_fn({"params": p}, x) ** 2)
 
-  _, grads = state.value_and_grad(loss_fn)(state.params)
-  new = state.apply_gradients(grads=grads)
-  true = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(params)
+    _, grads = state.value_and_grad(loss_fn)(state.params)
+    true = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads), true
+
+  new, true = step(state)
   moved = jax.tree.map(lambda a, b: (b - a) / -lr, params, new.params)
   for name, err in leaf_rel_errors(moved, true).items():
     assert err < 1e-6, name

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jmp_lite._context import Ambient
-from jmp_lite._fp8_config import Fp8Config
+from jmp_lite._fp8_config import Fp8Config, as_config
 from jmp_lite._policy import Fp8Policy, Policy, get_fp8_policy
 
 # The loss scale the gradients carry, for the fp8 ops traced inside loss_scale_scope().
@@ -45,7 +45,7 @@ def op_options(config: Fp8Config, **options: Any) -> dict[str, Any]:
   return {"config": config, "loss_scale": LOSS_SCALE.current(), **options}
 
 
-def as_config(spec: Any) -> Fp8Config | None:
+def config_of_spec(spec: Any) -> Fp8Config | None:
   """The fp8 config a spec asks for (``None``: no fp8).
 
   Args:
@@ -57,13 +57,12 @@ def as_config(spec: Any) -> Fp8Config | None:
   Returns:
     The :class:`~jmp_lite.fp8.Fp8Config`, or ``None`` for a policy without fp8.
   """
-  if spec is None:
-    return Fp8Config()
-  if isinstance(spec, Fp8Config):
-    return spec
   if isinstance(spec, (str, Policy, Fp8Policy)):
     return get_fp8_policy(spec).config
-  raise TypeError(
-    "Expected an Fp8Config, an Fp8Policy, a Policy or a policy string such as "
-    f"'p=f32,c=bf16,o=f32,fp8=hybrid'; got {spec!r} of type {type(spec).__name__}."
-  )
+  try:
+    return as_config(spec)  # a config, or None
+  except TypeError:
+    raise TypeError(
+      "Expected an Fp8Config, an Fp8Policy, a Policy or a policy string such as "
+      f"'p=f32,c=bf16,o=f32,fp8=hybrid'; got {spec!r} of type {type(spec).__name__}."
+    ) from None

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lite import fp8
-from jmp_lite.flax.fp8._common import as_config, loss_scale_scope, op_options
+from jmp_lite.flax.fp8._common import config_of_spec, loss_scale_scope, op_options
 from jmp_lite.fp8._einsum import einsum_subscripts
 
 STATE_COLLECTION = "fp8_state"
@@ -163,7 +163,7 @@ def linen_interceptor(fp8_spec: Any = None) -> Callable[..., Any]:
   Returns:
     An interceptor for :func:`flax.linen.intercept_methods`.
   """
-  config = as_config(fp8_spec)
+  config = config_of_spec(fp8_spec)
 
   def interceptor(next_fun, args, kwargs, context):
     module = context.module

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import fp8
-from jmp_lite._fp8_config import as_config as as_fp8_config
+from jmp_lite._fp8_config import as_config
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
-from jmp_lite.flax.fp8._common import as_config, loss_scale_scope, op_options
+from jmp_lite.flax.fp8._common import config_of_spec, loss_scale_scope, op_options
 
 
 class Fp8State(nnx.Variable):
@@ -34,7 +34,7 @@ class NnxFp8DotGeneral(nnx.Module):
   """
 
   def __init__(self, config: fp8.Fp8Config | None = None):
-    self.config = as_fp8_config(config)
+    self.config = as_config(config)
     state = fp8.init_dot_state(self.config)
     for name, tensor in zip(fp8.Fp8DotState._fields, state, strict=True):
       setattr(self, f"{name}_scale", Fp8State(tensor.scale))
@@ -157,7 +157,7 @@ def nnx_fp8(model: nnx.Module, fp8_spec: Any = None) -> nnx.Module:
   Raises:
     ValueError: if the model has no layer that can run in fp8.
   """
-  config = as_config(fp8_spec)
+  config = config_of_spec(fp8_spec)
   if config is None:
     return model
   layers = [
