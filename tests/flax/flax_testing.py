@@ -117,7 +117,10 @@ class NnxConvNet(nnx.Module):
 
 @functools.partial(jit, static_argnums=0)
 def linen_init(model: nn.Module, key: jax.Array, *args):
-  """``model.init(key, *args)``, compiled once per (hashable) model and argument shapes."""
+  """``model.init(key, *args)``, compiled once per (hashable) model and argument shapes.
+
+  Call it outside traced code: a jit with compiler options cannot be nested.
+  """
   return model.init(key, *args)
 
 
@@ -133,7 +136,8 @@ def nnx_model(cls: type[nnx.Module], seed: int = 0) -> nnx.Module:
   Built eagerly, an NNX model compiles each initialiser op by op at XLA's default
   optimization level: seconds on 2 cores. Compiled here, the parameters match the
   eager ones up to the rounding of the initialisers' last multiply. Each call
-  returns new Variables, so tests may update the model in place.
+  returns new Variables, so tests may update the model in place. Call it outside
+  traced code: a jit with compiler options cannot be nested.
   """
   graphdef, state = _nnx_init(cls, seed)
   return nnx.merge(graphdef, state, copy=True)
@@ -162,13 +166,6 @@ def nnx_compiled(fun, *objects):
 
 
 def tokens(seed: int = 0, batch: int = 2) -> jax.Array:
-  return _tokens(seed, batch)
-
-
-@functools.partial(jit, static_argnums=1)
-def _tokens(seed, batch: int) -> jax.Array:
-  # Compiled, with the same integers: eagerly, jax.random compiles its sampler at XLA's
-  # default optimization level, which takes seconds on 2 cores.
   return jax.random.randint(jax.random.key(seed), (batch, LENGTH), 0, VOCAB)
 
 
