@@ -46,6 +46,10 @@ __all__ = [
 
 T = TypeVar("T")
 
+# A differentiation transform with `jax.value_and_grad`'s signature (`fun, argnums, has_aux`),
+# e.g. `flax.nnx.value_and_grad`.
+ValueAndGradTransform = Callable[..., Callable[..., Any]]
+
 
 @runtime_checkable
 class LossScale(Protocol):
@@ -124,7 +128,7 @@ class LossScale(Protocol):
     *,
     has_aux: bool = False,
     argnums: Any = 0,
-    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+    value_and_grad: ValueAndGradTransform = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, Any]]:
     """Like ``value_and_grad(fun)``, with the gradients of the scaled loss.
 
@@ -176,7 +180,7 @@ class _UniformScale:
     *,
     has_aux: bool = False,
     argnums: Any = 0,
-    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+    value_and_grad: ValueAndGradTransform = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, Any]]:
     return grad_of_scaled_loss(
       fun, self.scale, has_aux=has_aux, argnums=argnums, value_and_grad=value_and_grad
@@ -432,7 +436,7 @@ def grad_of_scaled_loss(
   *,
   has_aux: bool,
   argnums: Any,
-  value_and_grad: Callable[..., Callable[..., Any]],
+  value_and_grad: ValueAndGradTransform,
 ) -> Callable[..., tuple[Any, Any]]:
   """``value_and_grad`` of ``scale_loss(fun(...))`` that returns ``fun``'s own value.
 

@@ -6,9 +6,13 @@ The device flags must be set before JAX initialises its backend, which conftest.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+_flags = ["--xla_force_host_platform_device_count=8"]
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  # The tests check values and graphs, not speed: most of their time is XLA:CPU compiling
+  # small programs, which these two flags halve (LLVM optimizations and the fusion emitters).
+  _flags += ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+_given = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_given, *(f for f in _flags if f not in _given)]).strip()
 
 from hypothesis import settings  # noqa: E402
 
@@ -74,6 +78,7 @@ def multi_device_env() -> dict[str, str]:
     # Values, not speed, are checked: compile with XLA:CPU's backend optimizations off.
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false",
   ]
   path = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
   return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": path}

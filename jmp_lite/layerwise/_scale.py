@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _tree_util, _validation
-from jmp_lite._loss_scale import grad_of_scaled_loss
+from jmp_lite._loss_scale import ValueAndGradTransform, grad_of_scaled_loss
 from jmp_lite._tree_util import DERIVED, STATIC
 from jmp_lite.layerwise import _rule
 from jmp_lite.layerwise._boundary import BoundaryStats, StatsMode, with_boundaries, zero_probes
@@ -221,7 +221,7 @@ class LayerwiseLossScale:
     *,
     has_aux: bool = False,
     argnums: Any = 0,
-    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+    value_and_grad: ValueAndGradTransform = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, LayerwiseGrads]]:
     """Gradients with stage ``k`` at scale ``S_k``, plus the boundary statistics.
 
@@ -316,7 +316,7 @@ def _value_and_grad(
   fun: Callable[..., Any],
   has_aux: bool,
   argnums: Any,
-  value_and_grad: Callable[..., Callable[..., Any]],
+  value_and_grad: ValueAndGradTransform,
 ) -> Callable[..., tuple[Any, LayerwiseGrads]]:
   """:meth:`LayerwiseLossScale.value_and_grad`: the loss at ``S_{K-1}``, the boundaries active."""
   if isinstance(argnums, (tuple, list)) or isinstance(argnums, bool):
