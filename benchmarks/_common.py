@@ -215,9 +215,9 @@ def hlo_summary(compiled: Any) -> dict[str, Any] | None:
 def no_declared_accumulation() -> Iterator[None]:
   """Traces jmp_lite's Flax matmuls as on a backend where it declares no fp32 accumulation.
 
-  The one private hook of the benchmarks, and deliberately so: jmp_lite decides whether to
-  attach ``precision=DotAlgorithmPreset...`` from the platform it traces for, and offers no
-  switch, since a user should not need one. benchmarks/gpu.py's ``policy_bf16_undeclared``
+  A private hook (with fp8_check's use of ``jmp_lite.fp8._matmul.DOT_KERNEL``), deliberately:
+  jmp_lite decides whether to attach ``precision=DotAlgorithmPreset...`` from the platform it
+  traces for, and offers no switch, since a user should not need one. benchmarks/gpu.py's ``policy_bf16_undeclared``
   recipe measures what the declaration costs, so it swaps that platform lookup while the
   model is traced.
   """

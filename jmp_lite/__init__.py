@@ -34,7 +34,13 @@ from jmp_lite._loss_scale import (
   all_finite,
   select_tree,
 )
+from jmp_lite._low_precision_params import (
+  LowPrecisionParamsState,
+  low_precision_params,
+  master_params,
+)
 from jmp_lite._policy import Policy, cast_to_full, cast_to_half, get_policy
+from jmp_lite._rounding import stochastic_round
 from jmp_lite._step_check import check_loss_scaling
 from jmp_lite._transform import (
   LossScalingState,
@@ -80,6 +86,11 @@ __all__ = (
   "get_loss_scale",
   "get_loss_scaling_state",
   "scaled_value_and_grad",
+  # 16-bit parameters
+  "low_precision_params",
+  "LowPrecisionParamsState",
+  "master_params",
+  "stochastic_round",
   # Checks
   "audit",
   "audit_jaxpr",

@@ -30,10 +30,10 @@ class Ambient(Generic[T]):
     finally:
       self._stack.reset(token)
 
-  def current(self, default: T | None = None) -> T | None:
-    """The innermost value set, or ``default`` outside every scope."""
+  def current(self) -> T | None:
+    """The innermost value set, or None outside every scope."""
     stack = self._stack.get()
-    return stack[-1] if stack else default
+    return stack[-1] if stack else None
 
   def all(self) -> tuple[T, ...]:
     """Every value set, outermost first."""

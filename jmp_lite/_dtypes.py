@@ -19,8 +19,12 @@ import numpy as np
 
 # The public names; `jmp_lite/dtypes.py` (the module's old path) re-exports them.
 __all__ = [
+  "ACCEPTED_NAMES",
+  "DTypeLike",
+  "FLOAT8_DTYPES",
   "FORMATS",
   "FormatInfo",
+  "ScalarType",
   "dtype_name",
   "format_info",
   "half_dtype",

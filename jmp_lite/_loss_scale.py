@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
@@ -155,8 +154,8 @@ class LossScale(Protocol):
 
     Args:
       scaled_grads: what :meth:`value_and_grad` returned.
-      params: the parameters; the true gradients are cast to their dtypes
-        (``None``: to at least fp32).
+      params: the parameters; the true gradients are cast to at least fp32
+        and at least their dtypes (``None``: to at least fp32).
       axis_name: under ``shard_map``/``pmap``, the axis whose devices must
         agree on finiteness.
 
@@ -362,9 +361,8 @@ class DynamicLossScale(_UniformScale):
       period = int(period)  # jmp accepts period=2000.0; 2000.5 still raises below
     set_("period", _validation.check_int(period, "period", 1))
     set_("hysteresis", _validation.check_int(self.hysteresis, "hysteresis", 1))
-    if isinstance(self.factor, (bool, np.bool_)) or not isinstance(self.factor, numbers.Real):
-      raise TypeError(f"factor must be a real number > 1, got {self.factor!r}.")
-    if not (math.isfinite(self.factor) and self.factor > 1):
+    factor = _validation.as_real(self.factor, "factor", "a real number > 1")
+    if not (math.isfinite(factor) and factor > 1):
       raise ValueError(f"factor must be finite and > 1, got {self.factor}.")
     low = _validation.as_bound(self.min_loss_scale, "min_loss_scale", scale.dtype)
     set_("min_loss_scale", low)
@@ -494,23 +492,8 @@ def uniform_scale_value(loss_scale: Any, *, instead: str) -> jax.Array:
         f"this needs the one scale every gradient carries. {instead}"
       )
     loss_scale = loss_scale.loss_scale
-  value = loss_scale
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
-  ):
-    raise TypeError(
-      "loss_scale must be a positive number, a scalar array or a jmp_lite.LossScale, "
-      f"got {type(value).__name__}."
-    )
-  value = jnp.asarray(value)
-  if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
-    raise TypeError(f"loss_scale must be a real number, got dtype {value.dtype}.")
-  if value.shape != ():
-    raise ValueError(f"loss_scale must be a scalar, got shape {value.shape}.")
-  value = value.astype(jnp.float32)
-  if _validation.is_concrete(value) and not (float(value) > 0 and math.isfinite(float(value))):
-    raise ValueError(f"loss_scale must be positive and finite, got {float(value)}.")
-  return value
+  expected = "a positive number, a scalar array or a jmp_lite.LossScale"
+  return _validation.as_scale(loss_scale, "loss_scale", expected=expected).astype(jnp.float32)
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:

@@ -255,7 +255,10 @@ def _parse(spec: str, *, fp8: bool) -> _Parsed:
   keys = {**_KEYS, _FP8_KEY: _FP8_KEY} if fp8 else _KEYS
   expected = "params/p, compute/c, output/o or fp8" if fp8 else "params/p, compute/c or output/o"
   parts = [part.strip() for part in text.split(",")]
-  named_parts = sum(part.partition("=")[0].strip() != _FP8_KEY for part in parts)
+  # The parts besides `fp8=...`: a bare `fp8` is a part like any other (and then malformed).
+  named_parts = sum(
+    not (sep and key.strip() == _FP8_KEY) for key, sep, _ in (p.partition("=") for p in parts)
+  )
   name, values = None, {}
   for part in parts:
     key, sep, value = (s.strip() for s in part.partition("="))

@@ -14,8 +14,10 @@ the *scaled* loss and does, in one jitted step with no host sync:
   S_{t+1} = \mathrm{adjust}(S_t, \text{finite})
 
 where :math:`\hat g` are the scaled gradients, :math:`S_t` the loss scale that
-produced them, :math:`\mathrm{cast}_p` a cast to at least fp32 (or the
-parameter dtype), and :math:`s` the inner optimizer's state. A skipped step
+produced them, :math:`\mathrm{cast}_p` a cast to at least fp32 (and at least
+the parameter's dtype), and :math:`s` the inner optimizer's state, which keeps
+its dtypes (bf16 moments of bf16 parameters are updated from fp32 gradients and
+stored in bf16 again). A skipped step
 leaves the inner state bit-identical (Adam's step count does not advance) and
 returns zero updates, so no NaN ever reaches the parameters.
 """
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite import _tree_util
 from jmp_lite._loss_scale import LossScale
 
 # The public names; `jmp_lite/transform.py` (the module's old path) re-exports them.
@@ -131,6 +134,7 @@ def loss_scaling(
       scaled_grads, params, axis_name=axis_name
     )
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    inner_state = _tree_util.cast_like(inner_state, state.inner_state)
     # jnp.where never lets the NaN of the unselected branch through.
     updates = optax.tree_utils.tree_where(finite, updates, optax.tree.zeros_like(updates))
     inner_state = optax.tree_utils.tree_where(finite, inner_state, state.inner_state)

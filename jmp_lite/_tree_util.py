@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 T = TypeVar("T")
 
@@ -44,19 +45,68 @@ def unscale_tree(tree: T, scale: jax.Array) -> T:
 
 
 def cast_like_params(grads: Any, params: Any) -> Any:
-  """Casts unscaled gradients to at least fp32, or to each parameter's dtype.
+  """Casts unscaled gradients to at least fp32, and at least each parameter's dtype.
 
-  The inner optimizer's state was created from the params, so gradients in the
-  param dtype keep the state's dtypes (and the jitted step's signature) fixed.
+  16-bit parameters get fp32 gradients: the update is computed in fp32 (in fp16
+  the small gradients that scaling rescued would underflow again), and the
+  inner optimizer keeps its state's dtypes (see :func:`cast_like`).
   """
   if params is None:
-    return jax.tree.map(
-      lambda g: jnp.asarray(g, jnp.promote_types(g.dtype, jnp.float32)) if is_float(g) else g,
-      grads,
-    )
+    return jax.tree.map(lambda g: jnp.asarray(g, _wide(g.dtype)) if is_float(g) else g, grads)
   return jax.tree.map(
-    lambda g, p: g.astype(p.dtype) if is_float(g) and is_float(p) else g, grads, params
+    lambda g, p: (
+      g.astype(_wide(jnp.promote_types(g.dtype, p.dtype))) if is_float(g) and is_float(p) else g
+    ),
+    grads,
+    params,
   )
+
+
+def _wide(dtype: Any) -> Any:
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def cast_like(tree: T, like: T) -> T:
+  """``tree`` with each floating leaf cast to the dtype of its counterpart in ``like``.
+
+  An optimizer updating 16-bit state from fp32 gradients returns fp32 state;
+  cast back, the state (and the jitted step's signature) keeps its dtypes.
+  """
+  return jax.tree.map(
+    lambda x, y: x.astype(y.dtype) if is_float(x) and is_float(y) else x, tree, like
+  )
+
+
+def split_leaves(
+  tree: Any, traced: Callable[[Any], bool], is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+  """Splits ``tree`` into the leaves a transform traces and a function rebuilding it.
+
+  Args:
+    tree: a pytree, e.g. ``(args, kwargs)`` of a call.
+    traced: whether a leaf is passed through the transform (an array); the
+      other leaves (a ``train`` flag, a mode string) stay what they are.
+    is_leaf: as for :func:`jax.tree_util.tree_flatten`.
+
+  Returns:
+    ``(values, rebuild)``: the traced leaves in order, and a function that
+    takes new values for them and returns ``tree`` with those in their place.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+  mask = [traced(x) for x in leaves]
+
+  def rebuild(values: list[Any]) -> Any:
+    it = iter(values)
+    return jax.tree_util.tree_unflatten(
+      treedef, [next(it) if t else x for x, t in zip(leaves, mask, strict=True)]
+    )
+
+  return [x for x, t in zip(leaves, mask, strict=True) if t], rebuild
+
+
+def is_array(x: Any) -> bool:
+  """Whether ``x`` is a JAX or NumPy array (what a transform traces)."""
+  return isinstance(x, (jax.Array, np.ndarray))
 
 
 _ROLE = "jmp_lite.pytree"

@@ -32,7 +32,13 @@ def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def as_scale(value: jax.typing.ArrayLike, name: str, *, warn_integer: bool = False) -> jax.Array:
+def as_scale(
+  value: jax.typing.ArrayLike,
+  name: str,
+  *,
+  warn_integer: bool = False,
+  expected: str = "a positive number or a scalar array",
+) -> jax.Array:
   """Converts a loss scale to a strongly typed floating scalar and checks it.
 
   Args:
@@ -41,16 +47,21 @@ def as_scale(value: jax.typing.ArrayLike, name: str, *, warn_integer: bool = Fal
     name: the argument's name, for the error messages.
     warn_integer: warn when an integer scale is converted to float32, as
       jmp's ``DynamicLossScale`` does.
+    expected: what ``value`` may be, for the TypeError.
 
   Returns:
     A scalar array of ``value``'s floating dtype (float32 for an integer).
   """
-  if isinstance(value, (bool, np.bool_)) or (hasattr(value, "dtype") and value.dtype == bool):
-    raise TypeError(f"{name} must be a positive number, got {value!r}.")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
+  ):
+    raise TypeError(f"{name} must be {expected}, got {type(value).__name__}.")
+  if np.dtype(getattr(value, "dtype", None)) == np.bool_:
+    raise TypeError(f"{name} must be {expected}, got a bool array.")
   scale = jnp.asarray(value)
   if not jnp.issubdtype(scale.dtype, jnp.floating):
     if not jnp.issubdtype(scale.dtype, jnp.integer):
-      raise TypeError(f"{name} must be a real number or floating array, got dtype {scale.dtype}.")
+      raise TypeError(f"{name} must be a real number, got dtype {scale.dtype}.")
     if warn_integer:
       # jmp's wording, so that filters written for jmp's warning still match.
       warnings.warn(

@@ -5,7 +5,7 @@ from jmp_lite._context import Ambient
 
 def test_scopes_nest_and_restore():
   ambient = Ambient[int]("test_scopes_nest")
-  assert ambient.current() is None and ambient.current(7) == 7 and ambient.all() == ()
+  assert ambient.current() is None and ambient.all() == ()
   with ambient.scope(1):
     with ambient.scope(2) as value:
       assert value == 2 and ambient.current() == 2 and ambient.all() == (1, 2)

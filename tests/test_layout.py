@@ -22,7 +22,7 @@ LAYERS = (
   ("_validation", "_tree_util", "_context", "_jaxpr", "_dtypes", "dtypes"),
   ("_finite", "_fp8_config", "_policy", "policy"),
   ("_loss_scale", "loss_scale"),
-  ("_transform", "transform"),
+  ("_transform", "transform", "_rounding", "_low_precision_params"),
   ("layerwise", "fp8", "_audit", "_step_check", "diagnostics", "_plotting", "plotting"),
   ("flax",),
   ("__init__",),

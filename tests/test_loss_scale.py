@@ -289,7 +289,7 @@ def test_scale_inside_scan_over_a_training_loop():
     (jnp.ones(2), ValueError, "scalar"),
     (True, TypeError, "positive number"),
     (jnp.array(True), TypeError, "positive number"),
-    ("2", TypeError, "dtype"),
+    ("2", TypeError, "a positive number or a scalar array, got str"),
     (jnp.complex64(2), TypeError, "complex"),
   ],
 )

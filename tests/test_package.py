@@ -89,6 +89,20 @@ def test_moved_names_keep_working_at_their_old_place():
     jl.not_a_name  # noqa: B018
 
 
+def test_old_flax_modules_are_attributes_of_jmp_lite_flax():
+  # In a fresh process: here earlier tests may have imported the submodules already.
+  code = (
+    "import jmp_lite as jl\n"
+    "assert jl.flax.accumulate.dot_general is jl.flax.dot_general\n"
+    "assert jl.flax.train_state.TrainState is jl.flax.TrainState\n"
+    "from jmp_lite.dtypes import DTypeLike, ScalarType\n"
+    "from jmp_lite.flax.accumulate import is_16bit_float\n"
+    "try:\n  jl.flax.not_a_module\nexcept AttributeError as e:\n  print(e)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "module 'jmp_lite.flax' has no attribute 'not_a_module'"
+
+
 def test_old_module_paths_are_aliases_of_the_private_modules():
   import jmp_lite._policy
   import jmp_lite.dtypes

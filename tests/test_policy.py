@@ -69,6 +69,7 @@ GRAMMAR_ERRORS = [
   ("p=f8e4m3,c=f16", ValueError, "param_dtype=float8_e4m3fn"),
   ("c=f8e5m2,o=f8e5m2", ValueError, "output_dtype=float8_e5m2"),
   ("half,full", ValueError, "Malformed part 'half'"),
+  ("fp8,half", ValueError, "Malformed part 'fp8'"),  # a bare fp8 is no fp8= part
 ]
 
 

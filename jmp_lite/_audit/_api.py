@@ -8,9 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
-from jmp_lite import _jaxpr
+from jmp_lite import _jaxpr, _tree_util
 from jmp_lite._audit import _walk
 from jmp_lite._audit._config import AuditConfig
 from jmp_lite._audit._report import AuditReport
@@ -20,17 +19,15 @@ from jmp_lite._policy import Policy
 def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
   """make_jaxpr over the array leaves of (args, kwargs); other leaves (Python
   bools, ints, strings: flags such as ``train=False``) stay static."""
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_dynamic = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
-  dynamic = [x for x, d in zip(leaves, is_dynamic, strict=True) if d]
+  arrays, rebuild = _tree_util.split_leaves(
+    (args, kwargs), lambda x: _tree_util.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+  )
 
   def traced(*values):
-    it = iter(values)
-    full = [next(it) if d else x for x, d in zip(leaves, is_dynamic, strict=True)]
-    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    a, k = rebuild(list(values))
     return fn(*a, **k)
 
-  return jax.make_jaxpr(traced)(*dynamic)
+  return jax.make_jaxpr(traced)(*arrays)
 
 
 def _policy_of(fn: Any) -> Policy | None:

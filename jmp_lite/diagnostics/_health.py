@@ -8,7 +8,6 @@ turns both into a verdict, a pytree of arrays a step can return.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -188,7 +187,8 @@ def loss_scale_health(
       ``opt_state`` without exactly one loss-scaling state.
   """
   max_steps_at_minimum = _validation.check_int(max_steps_at_minimum, "max_steps_at_minimum", 1)
-  if not isinstance(max_skip_rate, numbers.Real) or not 0 <= max_skip_rate <= 1:
+  max_skip_rate = _validation.as_real(max_skip_rate, "max_skip_rate", "a number in [0, 1]")
+  if not 0 <= max_skip_rate <= 1:
     raise ValueError(f"max_skip_rate must be a number in [0, 1], got {max_skip_rate!r}.")
   if monitor is not None and not isinstance(monitor, LossScaleMonitor):
     raise TypeError(f"monitor must be a LossScaleMonitor, got {type(monitor).__name__}.")

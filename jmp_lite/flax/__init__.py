@@ -13,14 +13,21 @@
   softmax that keeps 16-bit residuals.
 * :class:`TrainState`, :class:`Optimizer`: Flax's training state and NNX
   optimizer with loss scaling built in.
+* :class:`DynamicScale`, :class:`DynamicScaleResult`: a drop-in for Flax's
+  ``flax.training.dynamic_scale`` (``from jmp_lite.flax import dynamic_scale
+  as dynamic_scale_lib``), with :meth:`DynamicScale.select` to keep a skipped
+  step's state.
 * :func:`layerwise_stages`: stage boundaries for layer-wise loss scaling,
   inserted by module class or for ``nn.Sequential`` children.
 * :mod:`jmp_lite.flax.fp8` (import it explicitly): fp8 matmuls with delayed
   scaling for linen and NNX layers.
 """
 
+from typing import Any
+
 from jmp_lite.flax._accumulate import conv_general_dilated, dot_general, einsum
 from jmp_lite.flax._attention import dot_product_attention, softmax
+from jmp_lite.flax._dynamic_scale import DynamicScale, DynamicScaleResult
 from jmp_lite.flax._kernel_hooks import FLAX_HOOKS
 from jmp_lite.flax._layerwise import LayerwiseStages, layerwise_stages
 from jmp_lite.flax._linen import policy_apply, policy_init
@@ -59,7 +66,30 @@ __all__ = (
   # Training with loss scaling
   "TrainState",
   "Optimizer",
+  "DynamicScale",
+  "DynamicScaleResult",
   # Layer-wise loss scaling
   "LayerwiseStages",
   "layerwise_stages",
 )
+
+# Modules whose implementation became private (jmp_lite/flax/_linen.py...): their old paths are
+# alias modules, and `jl.flax.linen.policy_apply` keeps working as an attribute too.
+_OLD_MODULES = (
+  "accumulate",
+  "attention",
+  "layerwise",
+  "linen",
+  "module_policy",
+  "nnx",
+  "optimizer",
+  "train_state",
+)
+
+
+def __getattr__(name: str) -> Any:
+  import importlib  # here, so that the module has no `importlib` attribute
+
+  if name in _OLD_MODULES:
+    return importlib.import_module(f"jmp_lite.flax.{name}")
+  raise AttributeError(f"module 'jmp_lite.flax' has no attribute {name!r}")

@@ -23,40 +23,9 @@ import jax
 import numpy as np
 
 from jmp_lite._policy import cast_floating
+from jmp_lite._tree_util import is_array, split_leaves
 
 T = TypeVar("T")
-
-
-def split_leaves(
-  tree: Any, traced: Callable[[Any], bool], is_leaf: Callable[[Any], bool] | None = None
-) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-  """Splits ``tree`` into the leaves a transform traces and a function rebuilding it.
-
-  Args:
-    tree: a pytree, e.g. ``(args, kwargs)`` of a call.
-    traced: whether a leaf is passed through the transform (an array); the
-      other leaves (a ``train`` flag, a mode string) stay what they are.
-    is_leaf: as for :func:`jax.tree_util.tree_flatten`.
-
-  Returns:
-    ``(values, rebuild)``: the traced leaves in order, and a function that
-    takes new values for them and returns ``tree`` with those in their place.
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
-  mask = [traced(x) for x in leaves]
-
-  def rebuild(values: list[Any]) -> Any:
-    it = iter(values)
-    return jax.tree_util.tree_unflatten(
-      treedef, [next(it) if t else x for x, t in zip(leaves, mask, strict=True)]
-    )
-
-  return [x for x, t in zip(leaves, mask, strict=True) if t], rebuild
-
-
-def is_array(x: Any) -> bool:
-  """Whether ``x`` is a JAX or NumPy array (what a transform traces)."""
-  return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _checkpointed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -95,9 +64,9 @@ def cast_call(
   compute_dtype: np.dtype,
   output_dtype: np.dtype,
   *,
-  recompute: bool = False,
-  record: list[CallRecord] | None = None,
-  path: tuple = (),
+  recompute: bool,
+  record: list[CallRecord] | None,
+  path: tuple,
 ) -> Any:
   """Calls ``fn`` with floating inputs in ``compute_dtype``, returns outputs in ``output_dtype``.
 

@@ -267,7 +267,7 @@ class ModulePolicies:
   The whole configuration :func:`~jmp_lite.flax.policy_apply`,
   :func:`~jmp_lite.flax.policy_init` and :func:`~jmp_lite.flax.policy_view`
   run a model under: pass one as their ``policy``. Immutable and hashable;
-  two are equal when they run every module alike.
+  two are equal when every setting is (``explicit_dtypes`` included).
 
   A module whose class (or a base class) has an override computes in the
   override's dtype and returns its ``output_dtype`` (default: the dtype of the
@@ -556,8 +556,8 @@ def as_module_policies(
     policy: a :class:`ModulePolicies`, a :class:`~jmp_lite.Policy` or a policy
       string.
     options: the keywords passed besides it (those of :class:`ModulePolicies`).
-      With a ``ModulePolicies`` they must agree with it: a keyword that would
-      run some module differently is refused.
+      With a ``ModulePolicies`` they must agree with it: a keyword whose
+      value differs from its setting is refused.
     caller: the entry point, for the messages.
 
   Returns:

@@ -49,13 +49,12 @@ from flax.nnx.graph import is_graph_node
 
 from jmp_lite._context import Ambient
 from jmp_lite._policy import Policy, cast_floating
+from jmp_lite._tree_util import is_array, split_leaves
 from jmp_lite.flax._module_call import (
   CallRecord,
   cast_call,
   enclosing_entry,
-  is_array,
   output_chain,
-  split_leaves,
 )
 from jmp_lite.flax._module_policy import (
   ModulePolicies,

@@ -21,6 +21,7 @@ import numpy as np
 
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _transform as transform
+from jmp_lite import _validation
 from jmp_lite.layerwise._boundary import StatsMode, with_boundaries, zero_probes
 from jmp_lite.layerwise._scale import LayerwiseLossScale
 from jmp_lite.layerwise._stages import Spec, StackedStages, check_stacked, leaf_specs
@@ -103,7 +104,8 @@ def check_stages(
   scale = transform.get_loss_scale(loss_scale)
   if not isinstance(scale, LayerwiseLossScale):
     raise TypeError(f"check_stages needs a LayerwiseLossScale, got {type(scale).__name__}.")
-  if not 0 <= float(tolerance) < 1:
+  tolerance = _validation.as_real(tolerance, "tolerance", "in [0, 1)")
+  if not 0 <= tolerance < 1:
     raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}.")
   num_stages: int = scale.num_stages  # type: ignore[assignment]  # an int after __post_init__
   if num_stages == 1:

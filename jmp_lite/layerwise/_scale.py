@@ -280,8 +280,8 @@ class LayerwiseLossScale:
         :class:`LayerwiseGrads`). Gradients taken any other way carry no
         per-stage scales; with a single stage, the gradients of ``loss *
         loss_scale`` are accepted too.
-      params: the parameters; the true gradients are cast to their dtypes
-        (``None``: to at least fp32).
+      params: the parameters; the true gradients are cast to at least fp32
+        and at least their dtypes (``None``: to at least fp32).
       axis_name: under ``shard_map``/``pmap``, the axis whose devices must
         agree (the maxima, and so the scales, are taken over it).
 
@@ -390,8 +390,10 @@ def _checked_fields(scale: LayerwiseLossScale) -> dict[str, Any]:
     "backoff_factor": check_int(scale.backoff_factor, "backoff_factor", 2),
     "histograms": _validation.check_bool(scale.histograms, "histograms"),
   }
-  if not 0 < float(scale.underflow_fraction) < 1:
-    raise ValueError(f"underflow_fraction must be in (0, 1), got {scale.underflow_fraction}.")
+  fraction = _validation.as_real(scale.underflow_fraction, "underflow_fraction", "in (0, 1)")
+  if not 0 < fraction < 1:
+    raise ValueError(f"underflow_fraction must be in (0, 1), got {fraction}.")
+  config["underflow_fraction"] = fraction
   config["gradient_dtype"] = _validation.check_dtype(
     scale.gradient_dtype,
     "gradient_dtype",
