@@ -146,8 +146,15 @@ def _options(output_dtype: Any, lhs_grad_dtype: Any, rhs_grad_dtype: Any) -> _Op
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
   # Unbatched shapes even under vmap, whose tracers then batch the replayed binds; the
-  # sharding under explicit mesh axes, where a transpose must return the operand's.
-  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=jax.typeof(x).sharding)
+  # sharding under explicit mesh axes, where a transpose must return the operand's; inside
+  # shard_map, the mesh axes the value varies over, or a transpose would mistype its cotangent.
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(
+    np.shape(x),
+    jnp.result_type(x),
+    sharding=aval.sharding,
+    manual_axis_type=getattr(aval, "manual_axis_type", None),
+  )
 
 
 def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> list[Any]:

@@ -32,7 +32,7 @@ from flax import nnx
 from jmp_lite import _validation
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, select_tree
 from jmp_lite._transform import LossScalingState, get_loss_scaling_state, loss_scaling
-from jmp_lite.flax._state import has_loss_scaling
+from jmp_lite.flax._state import has_loss_scaling, mean_over
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -49,8 +49,10 @@ class Optimizer(nnx.Optimizer[M]):
       differentiates.
     loss_scale: the initial loss scale, e.g. ``jl.DynamicLossScale(2.0 ** 15)``
       for fp16; ``None`` for none (``tx`` is then used as is).
-    axis_name: under ``shard_map``/``pmap``, the axis whose devices must agree
-      on skipping a step (see :func:`jmp_lite.loss_scaling`).
+    axis_name: under ``shard_map``/``pmap``, the data-parallel axis:
+      :meth:`value_and_grad` averages the gradients over its devices and
+      they agree on skipping a step (see :func:`jmp_lite.loss_scaling`), so
+      a step needs no hand-written ``pmean``. Not needed under sharded ``jit``.
     graph: as for :class:`flax.nnx.Optimizer`.
   """
 
@@ -66,8 +68,6 @@ class Optimizer(nnx.Optimizer[M]):
   ):
     if loss_scale is not None:
       tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
-    elif axis_name is not None:
-      raise TypeError("axis_name only applies together with loss_scale=...; got loss_scale=None.")
     super().__init__(model, tx, wrt=wrt, graph=graph)
     self.axis_name = axis_name
 
@@ -122,12 +122,18 @@ class Optimizer(nnx.Optimizer[M]):
     """
     argnums = _validation.check_int(argnums, "argnums", None)  # negative counts from the end
     scale = self.loss_scale
-    grad_fn = scale.value_and_grad(
+    scaled_grad_fn = scale.value_and_grad(
       fun,
       has_aux=has_aux,
       argnums=nnx.DiffState(argnums, self.wrt),
       value_and_grad=nnx.value_and_grad,
     )
+
+    def grad_fn(*args, **kwargs):
+      value, grads = scaled_grad_fn(*args, **kwargs)
+      loss = value[0] if has_aux else value
+      return value, mean_over(grads, loss, self.axis_name)
+
     if not self._has_loss_scaling:
       return grad_fn  # no step is ever skipped
     written = nnx.All(nnx.Not(self.wrt), nnx.Not(nnx.RngState))

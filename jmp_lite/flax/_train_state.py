@@ -49,7 +49,7 @@ from jmp_lite._transform import (
 )
 from jmp_lite.flax._linen import policy_apply
 from jmp_lite.flax._module_policy import ModulePolicies, ModulePolicy, as_module_policies
-from jmp_lite.flax._state import has_loss_scaling
+from jmp_lite.flax._state import has_loss_scaling, mean_over
 
 
 class TrainState(train_state.TrainState):
@@ -60,10 +60,13 @@ class TrainState(train_state.TrainState):
   Attributes:
     policy: the precision policy ``apply_fn`` runs under (``None`` if
       ``apply_fn`` was passed already wrapped, or no policy is used).
+    axis_name: the data-parallel axis the gradients are averaged over, and
+      whose devices agree on skipping a step (``None``: none).
   """
 
   # Keyword-only, so a subclass may add fields without defaults (``batch_stats: Any``).
   policy: Policy | None = struct.field(pytree_node=False, default=None, kw_only=True)
+  axis_name: Any = struct.field(pytree_node=False, default=None, kw_only=True)
 
   @classmethod
   def create(
@@ -75,6 +78,7 @@ class TrainState(train_state.TrainState):
     policy: ModulePolicies | Policy | str | None = None,
     loss_scale: LossScale | None = None,
     overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
+    axis_name: Any = None,
     **kwargs: Any,
   ) -> TrainState:
     """Creates the state: ``step=0`` and the optimizer state for ``params``.
@@ -93,6 +97,10 @@ class TrainState(train_state.TrainState):
       overrides: per-module-class overrides for a ``Policy``, see
         :class:`~jmp_lite.flax.ModulePolicies` (beside a ``ModulePolicies``
         they must agree with its own).
+      axis_name: under ``pmap``/``shard_map``, the data-parallel axis:
+        :meth:`value_and_grad` averages the gradients over its devices and
+        they agree on skipping a step (see :func:`jmp_lite.loss_scaling`), so
+        a step needs no hand-written ``pmean``. Not needed under sharded ``jit``.
       **kwargs: further fields of a subclass (e.g. ``batch_stats``).
 
     Returns:
@@ -122,8 +130,10 @@ class TrainState(train_state.TrainState):
     elif overrides is not None:
       raise TypeError("overrides only apply together with policy=...; got policy=None.")
     if loss_scale is not None:
-      tx = loss_scaling(tx, loss_scale)
-    state = super().create(apply_fn=apply_fn, params=params, tx=tx, policy=base_policy, **kwargs)
+      tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
+    state = super().create(
+      apply_fn=apply_fn, params=params, tx=tx, policy=base_policy, axis_name=axis_name, **kwargs
+    )
     # Flax starts from the Python int 0; the first jitted step would return an
     # int32 array and the second call would compile the step again.
     return state.replace(step=jnp.zeros((), jnp.int32))
@@ -193,6 +203,14 @@ class TrainState(train_state.TrainState):
     Returns:
       A function with ``fun``'s signature giving ``(value, grads)``: ``value``
       is ``fun``'s own (unscaled) value, ``grads`` are the gradients of the
-      *scaled* loss, which :meth:`apply_gradients` expects.
+      *scaled* loss, which :meth:`apply_gradients` expects (averaged over
+      ``axis_name``'s devices when the state has one).
     """
-    return scaled_value_and_grad(fun, self.loss_scale, has_aux=has_aux, argnums=argnums)
+    grad_fn = scaled_value_and_grad(fun, self.loss_scale, has_aux=has_aux, argnums=argnums)
+
+    def averaged(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+      value, grads = grad_fn(*args, **kwargs)
+      loss = value[0] if has_aux else value
+      return value, mean_over(grads, loss, self.axis_name)
+
+    return averaged
