@@ -19,6 +19,13 @@ precision policy, the loss scale and (for ``fp8``) the matmuls differ:
   comparable;
 * ``fp8`` runs the Dense/attention projections through
   :func:`jmp_lite.flax.fp8.linen_fp8` on top of the bf16 policy.
+
+The opt-in group ``low-precision-params`` (:data:`LOW_PRECISION_RECIPES`)
+stores the parameters themselves in bf16, with no fp32 master copy: the same
+optimizer is wrapped in :func:`jmp_lite.low_precision_params` (inside
+:func:`jmp_lite.loss_scaling`), which rounds each updated parameter back to
+bf16 by one of its methods, against ``fp32-master`` (fp32 parameters, bf16
+compute: the same forward and backward pass).
 """
 
 from __future__ import annotations
@@ -60,6 +67,15 @@ class Recipe:
     fp8: whether Dense layers compute their matmuls in fp8 (E4M3 forward,
       E5M2 backward, delayed per-tensor scaling).
     summary: one line for ``--help`` and the docs.
+    params_method: for 16-bit parameters (the policy's param dtype), the
+      :func:`jmp_lite.low_precision_params` method that stores their updates;
+      ``None`` for fp32 parameters.
+    moment_dtype: with ``params_method``, the dtype of the optimizer's
+      moments (``state_dtype``); fp32 otherwise.
+    high_half_view: fp32 parameters, initialized to the bf16 parameters'
+      values, whose forward pass reads, for every parameter, the bf16 value
+      :func:`bf16_high_half` (what ``bf16-split`` stores), with the gradient
+      passed straight through.
   """
 
   name: str
@@ -67,6 +83,9 @@ class Recipe:
   loss_scale: str = "none"
   fp8: bool = False
   summary: str = ""
+  params_method: str | None = None
+  moment_dtype: str = "float32"
+  high_half_view: bool = False
 
 
 RECIPES: dict[str, Recipe] = {
@@ -111,6 +130,76 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+_BF16_PARAMS = "params=bfloat16,compute=bfloat16,output=float32"
+
+LOW_PRECISION_RECIPES: dict[str, Recipe] = {
+  r.name: r
+  for r in (
+    Recipe(
+      "fp32-master",
+      "params=float32,compute=bfloat16,output=float32",
+      summary="the bf16 recipe under the low-precision-params group's name: fp32 parameters "
+      "and moments, bf16 compute",
+    ),
+    Recipe(
+      "fp32-master-view",
+      _BF16_PARAMS,
+      high_half_view=True,
+      summary="fp32 parameters and moments whose forward pass reads the bf16 value bf16-split "
+      "stores for each (nearest, ties away): the split's exact reference",
+    ),
+    Recipe(
+      "bf16-nearest",
+      _BF16_PARAMS,
+      params_method="nearest",
+      summary="bf16 parameters rounded to nearest after each update (updates under half a "
+      "bf16 ulp are lost); fp32 moments",
+    ),
+    Recipe(
+      "bf16-stochastic",
+      _BF16_PARAMS,
+      params_method="stochastic",
+      moment_dtype="bfloat16",
+      summary="bf16 parameters and bf16 moments, both stochastically rounded",
+    ),
+    Recipe(
+      "bf16-kahan",
+      _BF16_PARAMS,
+      params_method="kahan",
+      summary="bf16 parameters with a bf16 Kahan compensation buffer; fp32 moments",
+    ),
+    Recipe(
+      "bf16-split",
+      _BF16_PARAMS,
+      params_method="split",
+      summary="bf16 parameters as the high half of an exact fp32 value whose low 16 bits the "
+      "optimizer keeps; fp32 moments",
+    ),
+  )
+}
+"""Opt-in recipes (not in a default comparison): parameters stored in bf16 without an fp32
+master copy, by each method of :func:`jmp_lite.low_precision_params`, and the fp32-master
+reference they are measured against."""
+
+RECIPE_GROUPS: dict[str, tuple[str, ...]] = {
+  "low-precision-params": tuple(LOW_PRECISION_RECIPES),
+}
+"""Names that stand for several recipes in ``examples.compare --recipes``."""
+
+
+@jax.custom_vjp
+def bf16_high_half(x: jax.Array) -> jax.Array:
+  """fp32 ``x`` rounded to bf16 to nearest, ties away from zero (as the ``split`` method of
+  :func:`jmp_lite.low_precision_params` keeps it); the gradient passes through in fp32."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+  # Adding half of the dropped 16 bits to the bit pattern rounds the magnitude to nearest.
+  high = ((bits + 0x8000) >> 16).astype(jnp.int16)
+  return jax.lax.bitcast_convert_type(high, jnp.bfloat16)
+
+
+bf16_high_half.defvjp(lambda x: (bf16_high_half(x), None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def half_recipe() -> Recipe:
   """The recipe for this platform's native 16-bit format (:func:`jmp_lite.half_dtype`):
   bf16 without loss scaling where the hardware has bf16, else fp16 with a dynamic scale."""
@@ -123,15 +212,17 @@ def get_recipe(name: str) -> Recipe:
   """A recipe by name; ``"half"`` is :func:`half_recipe`."""
   if name == "half":
     return half_recipe()
-  try:
-    return RECIPES[name]
-  except KeyError:
-    raise ValueError(f"Unknown recipe {name!r}; choose from half, {', '.join(RECIPES)}.") from None
+  recipe = RECIPES.get(name) or LOW_PRECISION_RECIPES.get(name)
+  if recipe is None:
+    known = ", ".join([*RECIPES, *LOW_PRECISION_RECIPES])
+    raise ValueError(f"Unknown recipe {name!r}; choose from half, {known}.")
+  return recipe
 
 
 def recipe_help() -> str:
   lines = ["half: this platform's native 16-bit format (bf16 on CPU/TPU/Ampere+, else fp16)"]
   lines += [f"{r.name}: {r.summary}" for r in RECIPES.values()]
+  lines += [f"{r.name} (opt-in): {r.summary}" for r in LOW_PRECISION_RECIPES.values()]
   return "; ".join(lines)
 
 
@@ -266,6 +357,13 @@ def add_train_arguments(
     )
   g.add_argument("--no-progress", action="store_true", help="no progress bars")
   g.add_argument(
+    "--fast-compile",
+    action="store_true",
+    help="compile with XLA's backend optimizations off (the quick preset's setting): faster "
+    "to compile, slower to run, and no fused multiply-adds, so two programs that compute the "
+    "same fp32 arithmetic agree bit for bit",
+  )
+  g.add_argument(
     "--platform",
     choices=("auto", "cpu", "gpu", "tpu"),
     default="auto",
@@ -277,6 +375,8 @@ def train_config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> T
   """``defaults`` (a preset) with the flags that were given."""
   given = {name: getattr(args, name) for name, _, _ in _TRAIN_FLAGS}
   given = {k: v for k, v in given.items() if v is not None}
+  if getattr(args, "fast_compile", False):
+    given["fast_compile"] = True
   return dataclasses.replace(defaults, progress=not args.no_progress, **given)
 
 
@@ -361,7 +461,16 @@ class RunResult:
   grad_stats: dict[str, Any]  # step -> layer -> fractions of the parameter gradients
   step_time_spread: dict[str, float] = dataclasses.field(default_factory=dict)
   fp8_scales: dict[str, list[float]] | None = None  # fp8 only: final scale per layer/tensor
-  # Not in the JSON: (params, model_state) after training, with train(..., keep_state=True);
+  # Bytes of the parameters and of the optimizer state (loss scaling's included), from the
+  # trees, and the number of parameter elements.
+  state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+  # 16-bit parameters only: per step, how many 16-bit parameter elements the step meant to
+  # change but left as they were (jl.LowPrecisionParamsState.rounded_away), and how many
+  # 16-bit parameter elements there are.
+  rounded_away: list[int] | None = None
+  low_precision_size: int | None = None
+  # Not in the JSON: (params, model_state) after training, with train(..., keep_state=True)
+  # (16-bit parameters: the fp32 values the optimizer reads, jl.master_params);
   # and run_more(n), which runs n more steps and returns their wall times in seconds (it
   # donates the final state, so take `state` first).
   state: Any = dataclasses.field(default=None, repr=False)
@@ -397,19 +506,61 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   This is the *inner* optimizer: it goes inside :func:`jmp_lite.loss_scaling`,
   so clipping sees the true (unscaled) gradients.
   """
-  schedule = optax.warmup_cosine_decay_schedule(
+  return optax.chain(
+    # Stands in for the all-reduce sum over replicas (exact: a power of two).
+    optax.scale(float(config.replicas)),
+    optax.clip_by_global_norm(config.clip_norm),
+    optax.adamw(make_schedule(config), weight_decay=config.weight_decay),
+  )
+
+
+def make_schedule(config: TrainConfig) -> optax.Schedule:
+  """The learning rate per step: linear warmup, then cosine decay to 10% of the peak."""
+  return optax.warmup_cosine_decay_schedule(
     0.0,
     config.learning_rate,
     warmup_steps=min(config.warmup_steps, max(config.steps - 1, 1)),
     decay_steps=max(config.steps, 2),
     end_value=config.learning_rate * 0.1,
   )
-  return optax.chain(
-    # Stands in for the all-reduce sum over replicas (exact: a power of two).
-    optax.scale(float(config.replicas)),
-    optax.clip_by_global_norm(config.clip_norm),
-    optax.adamw(schedule, weight_decay=config.weight_decay),
+
+
+def make_transform(
+  recipe: Recipe, task: Task, params: Any, config: TrainConfig
+) -> optax.GradientTransformation:
+  """The whole optimizer of ``recipe``: :func:`make_optimizer` in :func:`jmp_lite.loss_scaling`,
+  and for 16-bit parameters in :func:`jmp_lite.low_precision_params` in between (it must see
+  the unscaled fp32 gradients, and nothing may change the updates it has rounded)."""
+  inner = make_optimizer(config)
+  if recipe.params_method is not None:
+    inner = jl.low_precision_params(
+      inner,
+      recipe.params_method,
+      seed=config.seed,
+      state_dtype=None if recipe.moment_dtype == "float32" else jnp.dtype(recipe.moment_dtype),
+    )
+  return jl.loss_scaling(inner, make_loss_scale(recipe, task, params, config))
+
+
+def low_precision_state(opt_state: Any) -> jl.LowPrecisionParamsState | None:
+  """The :class:`jmp_lite.LowPrecisionParamsState` inside ``opt_state``, if there is one."""
+  is_state = lambda x: isinstance(x, jl.LowPrecisionParamsState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+  return found[0] if found else None
+
+
+def low_precision_size(params: Any) -> int:
+  """How many elements of ``params`` are 16-bit floats (what ``rounded_away`` counts in)."""
+  return sum(
+    int(np.size(p))
+    for p in jax.tree.leaves(params)
+    if jnp.issubdtype(p.dtype, jnp.floating) and jnp.dtype(p.dtype).itemsize == 2
   )
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes of the arrays in ``tree``."""
+  return sum(int(x.nbytes) for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
 
 
 def make_loss_scale(recipe: Recipe, task: Task, params: Any, config: TrainConfig) -> Any:
@@ -542,12 +693,22 @@ def train(
   fp8_state = variables.pop(flax_fp8.STATE_COLLECTION, None)
   model_state = variables  # e.g. batch_stats
 
-  loss_scale = make_loss_scale(recipe, task, params, config)
-  tx = jl.loss_scaling(make_optimizer(config), loss_scale)
+  if recipe.params_method is not None:
+    params = policy.cast_to_param(params)  # stored in 16 bits: no fp32 master copy
+  if recipe.high_half_view:  # the split's starting point: the bf16 values, exact in fp32
+    params = jl.cast_to_full(policy.cast_to_param(params))
+  tx = make_transform(recipe, task, params, config)
   opt_state = tx.init(params)
+  state_bytes = {
+    "params": tree_bytes(params),
+    "opt_state": tree_bytes(opt_state),
+    "param_elements": sum(int(np.size(p)) for p in jax.tree.leaves(params)),
+  }
   denominator_factor = float(config.replicas)
 
   def loss_fn(params, amax, model_state, fp8_state, batch, loss_scale):
+    if recipe.high_half_view:
+      params = jax.tree.map(bf16_high_half, params)
     variables = {"params": params, **model_state}
     if fp8_config is not None:
       variables[flax_fp8.STATE_COLLECTION] = fp8_state
@@ -606,9 +767,13 @@ def train(
     }
     if stage_scales is not None:
       metrics["stage_scales"] = stage_scales
+    if recipe.params_method is not None:
+      metrics["rounded_away"] = low_precision_state(opt_state).rounded_away
     return params, model_state, fp8_state, opt_state, metrics
 
   def eval_step(params, model_state, fp8_state, batch):
+    if recipe.high_half_view:
+      params = jax.tree.map(bf16_high_half, params)
     variables = {"params": params, **model_state}
     if fp8_config is not None:
       variables[flax_fp8.STATE_COLLECTION] = fp8_state  # no probes: nothing observed
@@ -656,6 +821,7 @@ def train(
 
   extra_times: list[float] = []
   train_loss, train_acc, scales, stage_scales, skipped, times = [], [], [], [], [], []
+  rounded_away: list[int] = []
   eval_steps, val_loss, val_acc = [], [], []
   grad_stats: dict[str, Any] = {}
   bar = progress(range(config.steps), config.progress, desc=f"{task.name}/{recipe.name}")
@@ -667,6 +833,8 @@ def train(
     scales.append(float(metrics["loss_scale"]))
     if "stage_scales" in metrics:
       stage_scales.append([float(s) for s in np.asarray(metrics["stage_scales"])])
+    if "rounded_away" in metrics:
+      rounded_away.append(int(metrics["rounded_away"]))
     if not bool(metrics["finite"]):
       skipped.append(step)
     if step % config.stats_every == 0 or step == config.steps - 1:
@@ -718,9 +886,20 @@ def train(
     memory=memory,
     grad_stats=grad_stats,
     fp8_scales=fp8_scales,
-    state=(params, model_state) if keep_state else None,
+    state_bytes=state_bytes,
+    rounded_away=rounded_away if recipe.params_method is not None else None,
+    low_precision_size=low_precision_size(params) if recipe.params_method is not None else None,
+    state=(_master(params, opt_state, recipe), model_state) if keep_state else None,
     run_more=run_more,
   )
+
+
+def _master(params: Any, opt_state: Any, recipe: Recipe) -> Any:
+  """The fp32 values the optimizer reads (:func:`jmp_lite.master_params`) for 16-bit
+  parameters, else the parameters."""
+  if recipe.params_method is None:
+    return params
+  return jl.master_params(params, opt_state)
 
 
 def _module_name(module: nn.Module) -> str:

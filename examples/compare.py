@@ -18,6 +18,19 @@ loss scale, step time, compiled memory) and writes, to ``--out``:
   fp16 flushes to zero without scaling and with it, and the parameter
   gradients that came out exactly zero in the unscaled fp16 run.
 
+**Pure 16-bit training** (opt-in: ``--recipes low-precision-params``): the
+parameters stored in bf16 with no fp32 master copy, updated through
+:func:`jmp_lite.low_precision_params` by round-to-nearest, stochastic
+rounding, Kahan compensation or the exact 16+16 split, against
+``fp32-master`` (see :data:`examples.common.LOW_PRECISION_RECIPES`). It adds
+
+* ``<example>_low_precision.md``: validation loss and accuracy relative to
+  fp32-master, the moment dtype, bytes per parameter, and the share of
+  16-bit parameter elements whose update rounded away (left the stored value
+  unchanged) over the first, middle and last tenth of the steps;
+* ``<example>_low_precision.png``: that share per step over training, with
+  the learning rate, and each recipe's validation loss minus fp32-master's.
+
 **The underflow scenario** (on by default for the LM): the loss is this
 process's share of a data-parallel global batch of 2^19 = 524,288 tokens
 (``--replicas``; see :class:`examples.common.TrainConfig`), the per-device
@@ -30,6 +43,8 @@ Run: python -m examples.compare                      (3-4 minutes on 2 CPU cores
      python -m examples.compare --example digits
      python -m examples.compare --recipes fp32,fp16,fp16-dynamic --steps 1000
      python -m examples.compare --replicas 1          (no underflow scenario)
+     python -m examples.compare --recipes low-precision-params --steps 1000
+                                                      (bf16 parameters; ~12 minutes)
      python -m examples.compare --quick --out /tmp/c  (small, for tests)
 """
 
@@ -87,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--recipes",
     default=None,
-    help="comma-separated recipes (default: all; fp8 only for charlm). " + common.recipe_help(),
+    help="comma-separated recipes or groups (default: all of the first list below; fp8 only "
+    "for charlm). Group low-precision-params (opt-in): "
+    + ", ".join(common.RECIPE_GROUPS["low-precision-params"])
+    + ", bf16 parameters without an fp32 master copy, run it with --steps 1000 on CPU. "
+    + common.recipe_help(),
   )
   common.add_preset_arguments(parser, charlm.PRESETS)
   parser.add_argument("--out", default="out/examples", help="output directory (%(default)s)")
@@ -119,7 +138,7 @@ def _fmt_scale(x: float | None) -> str:
 
 def table_rows(example: str, results: dict[str, common.RunResult]) -> list[dict[str, Any]]:
   """One row per recipe, in plain values (also stored in the JSON)."""
-  base = results.get("fp32")
+  base = results.get("fp32") or results.get("fp32-master")
   rows = []
   for name, r in results.items():
     f = r.final
@@ -186,6 +205,127 @@ def format_table(example: str, rows: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def _tenths(values: Sequence[float]) -> dict[str, float]:
+  """Means of ``values`` over their first, middle and last tenth."""
+  n = len(values)
+  k = max(1, n // 10)
+  mid = max(0, (n - k) // 2)
+  return {
+    "start": float(np.mean(values[:k])),
+    "middle": float(np.mean(values[mid : mid + k])),
+    "end": float(np.mean(values[-k:])),
+  }
+
+
+def rounded_away_share(r: dict[str, Any]) -> list[float] | None:
+  """Per step, the share of the 16-bit parameter elements whose update rounded away."""
+  if r.get("rounded_away") is None:
+    return None
+  return [n / r["low_precision_size"] for n in r["rounded_away"]]
+
+
+def low_precision_rows(example: str, results: dict[str, Any]) -> list[dict[str, Any]]:
+  """One row per recipe of the low-precision-params group in ``results`` (JSON-ready dicts),
+  relative to fp32-master's when it ran."""
+  group = common.RECIPE_GROUPS["low-precision-params"]
+  base = results.get("fp32-master")
+  rows = []
+  for name, r in results.items():
+    if name not in group:
+      continue
+    recipe = common.get_recipe(name)
+    f = r["final"]
+    sizes = r["state_bytes"]
+    row: dict[str, Any] = {
+      "recipe": name,
+      "method": recipe.params_method or ("bf16 view" if recipe.high_half_view else "fp32 master"),
+      "param_dtype": "bfloat16" if recipe.params_method else "float32",
+      "moment_dtype": recipe.moment_dtype,
+      "val_loss": f["val_loss"],
+      "val_accuracy": f["val_accuracy"],
+      "bytes_per_param": (sizes["params"] + sizes["opt_state"]) / sizes["param_elements"],
+    }
+    if example == "charlm":
+      row["val_bpc"] = charlm.bits_per_char(f["val_loss"])
+    if base is not None:
+      ref = base["final"]
+      row["val_loss_rel"] = f["val_loss"] / ref["val_loss"] - 1
+      row["val_accuracy_diff"] = f["val_accuracy"] - ref["val_accuracy"]
+      ref_sizes = base["state_bytes"]
+      row["bytes_vs_fp32_master"] = (sizes["params"] + sizes["opt_state"]) / (
+        ref_sizes["params"] + ref_sizes["opt_state"]
+      )
+    share = rounded_away_share(r)
+    row["rounded_away"] = _tenths(share) if share else None
+    rows.append(row)
+  return rows
+
+
+def format_low_precision_table(example: str, rows: list[dict[str, Any]]) -> str:
+  """The low-precision-params rows as a Markdown table."""
+  metric = ["val bpc"] if example == "charlm" else []
+  header = [
+    "recipe",
+    "params",
+    "moments",
+    "val loss",
+    "vs fp32-master",
+    *metric,
+    "val acc",
+    "vs fp32-master",
+    "rounded away: start / middle / end",
+    "bytes/param",
+    "x fp32-master",
+  ]
+  short = {"float32": "fp32", "bfloat16": "bf16"}
+
+  def pct(x, points=False):
+    return "-" if x is None else f"{100 * x:+.2f}{' pts' if points else '%'}"
+
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  for row in rows:
+    away = row["rounded_away"]
+    cells = [
+      row["recipe"],
+      short[row["param_dtype"]] + (f" ({row['method']})" if row["method"] != "fp32 master" else ""),
+      short[row["moment_dtype"]],
+      f"{row['val_loss']:.4f}",
+      pct(row.get("val_loss_rel")),
+      *([f"{row['val_bpc']:.4f}"] if metric else []),
+      f"{row['val_accuracy']:.4f}",
+      pct(row.get("val_accuracy_diff"), points=True),
+      " / ".join(f"{100 * away[k]:.1f}%" for k in ("start", "middle", "end")) if away else "-",
+      f"{row['bytes_per_param']:.2f}",
+      f"{row['bytes_vs_fp32_master']:.2f}" if "bytes_vs_fp32_master" in row else "-",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+SPLIT_REFERENCES = ("fp32-master", "fp32-master-view")
+"""fp32-master runs whose final fp32 parameters bf16-split's (jl.master_params) are compared
+to: bit for bit equal to fp32-master-view's if the split loses no update."""
+
+
+def compare_masters(reference: Any, other: Any) -> dict[str, float]:
+  """How far the fp32 values of two parameter trees are apart: the share of elements equal
+  bit for bit, the largest and the root-mean-square difference relative to the reference's
+  root mean square (per leaf, then over all elements)."""
+  pairs = [
+    (np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(other), strict=True)
+  ]
+  n = sum(a.size for a, _ in pairs)
+  equal = sum(int(np.sum(a.view(np.int32) == b.view(np.int32))) for a, b in pairs)
+  rel = [np.abs(a - b) / max(float(np.sqrt(np.mean(a**2))), 1e-30) for a, b in pairs]
+  return {
+    "elements": n,
+    "bit_equal_share": equal / n,
+    "max_rel_diff": float(max(float(np.max(x)) for x in rel)),
+    "rms_rel_diff": float(np.sqrt(sum(float(np.sum(x**2)) for x in rel) / n)),
+  }
+
+
 # ---------------------------------------------------------------------------------------------
 # Plots
 
@@ -206,6 +346,12 @@ COLORS = {
   "fp16-dynamic": "tab:green",
   "fp16-layerwise": "tab:purple",
   "fp8": "tab:brown",
+  "fp32-master": "dimgray",
+  "fp32-master-view": "tab:olive",
+  "bf16-nearest": "tab:red",
+  "bf16-stochastic": "tab:green",
+  "bf16-kahan": "tab:blue",
+  "bf16-split": "tab:purple",
 }
 
 
@@ -278,6 +424,9 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
     ax2.set_title("difference (same batches, same initialization)")
     ax2.legend(fontsize="small")
     save(fig, "fp8_vs_bf16")
+
+  if any(r.get("rounded_away") is not None for r in results.values()):
+    save(_low_precision_figure(plt, summary), "low_precision")
 
   # Loss-scale trajectories: fp16-dynamic with jmp_lite.plotting's own plot (skips marked),
   # then the other scaled recipes (layer-wise: one line per stage).
@@ -375,8 +524,76 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
   return paths
 
 
+def _low_precision_figure(plt: Any, summary: dict[str, Any]) -> Any:
+  """Left: per step, the share of 16-bit parameter elements whose update rounded away, with
+  the learning rate. Right: each recipe's validation loss minus fp32-master's."""
+  results = summary["results"]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 5))
+  for name, r in results.items():
+    share = rounded_away_share(r)
+    if share is None:
+      continue
+    color = COLORS.get(name)
+    nearest = common.get_recipe(name).params_method == "nearest"
+    ax1.plot(share, color=color, linewidth=0.5, alpha=0.3)
+    ax1.plot(_ema(share), color=color, linewidth=2.0 if nearest else 1.2, label=name)
+  ax1.set_ylim(0, 1)
+  ax1.set_xlabel("step")
+  ax1.set_ylabel("share of bf16 parameter elements")
+  ax1.set_title("updates that left the bf16 value unchanged\n(lost for nearest; EMA 0.1)")
+  lr_axis = ax1.twinx()
+  config = common.TrainConfig(**summary["train"])
+  schedule = common.make_schedule(config)
+  lr_axis.plot(
+    [float(schedule(i)) for i in range(config.steps)],
+    color="gray",
+    linestyle="--",
+    linewidth=0.8,
+    label="learning rate",
+  )
+  lr_axis.set_ylim(bottom=0)
+  lr_axis.set_ylabel("learning rate", color="gray")
+  lines, labels = ax1.get_legend_handles_labels()
+  more, more_labels = lr_axis.get_legend_handles_labels()
+  # Below the axes: the curves fill different corners in different runs.
+  ax1.legend(
+    lines + more,
+    labels + more_labels,
+    fontsize="small",
+    loc="upper center",
+    bbox_to_anchor=(0.5, -0.15),
+    ncol=3,
+  )
+  base = results.get("fp32-master")
+  if base is not None:
+    for name, r in results.items():
+      if name == "fp32-master" or name not in common.LOW_PRECISION_RECIPES:
+        continue
+      diff = np.asarray(r["val_loss"]) - np.asarray(base["val_loss"])
+      ax2.plot(r["eval_steps"], diff, "o-", color=COLORS.get(name), markersize=3, label=name)
+    ax2.axhline(0, color=COLORS["fp32-master"], linewidth=0.8)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("val loss - fp32-master's (nats)")
+    ax2.set_title("validation loss against fp32 master weights\n(same seed, same batches)")
+    ax2.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
+  else:
+    ax2.set_axis_off()
+  return fig
+
+
 # ---------------------------------------------------------------------------------------------
 # Main
+
+
+def recipe_names(spec: str | None, example: str) -> list[str]:
+  """The recipe names of ``--recipes`` (groups expanded), or the example's default recipes."""
+  if not spec:
+    return list(DEFAULT_RECIPES[example])
+  names = []
+  for item in spec.split(","):
+    item = item.strip()
+    names += common.RECIPE_GROUPS.get(item, (item,))
+  return names
 
 
 def _rounded(obj: Any, digits: int = 6) -> Any:
@@ -411,8 +628,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train_config = dataclasses.replace(
       train_config, replicas=scenario_replicas(args.example, model_config)
     )
-  names = args.recipes.split(",") if args.recipes else list(DEFAULT_RECIPES[args.example])
-  recipes = [common.get_recipe(n.strip()) for n in names]
+  recipes = [common.get_recipe(n) for n in recipe_names(args.recipes, args.example)]
   if len({r.name for r in recipes}) != len(recipes):
     raise SystemExit(f"A recipe is listed twice in {args.recipes!r} (half is one of them).")
 
@@ -432,8 +648,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   results: dict[str, common.RunResult] = {}
   activation: dict[str, Any] | None = None
   act_grads = None
+  # fp32 values of the parameters after training, for the split's exactness (a copy: the
+  # timing below donates the final state).
+  masters: dict[str, Any] = {}
   for recipe in recipes:
-    result = common.train(task, recipe, train_config, keep_state=recipe.name == "fp32")
+    keep = recipe.name in ("fp32", *SPLIT_REFERENCES, "bf16-split")
+    result = common.train(task, recipe, train_config, keep_state=keep)
+    if recipe.name in (*SPLIT_REFERENCES, "bf16-split"):
+      masters[recipe.name] = jax.device_get(result.state[0])
+      result.state = None
     if recipe.name == "fp32":
       # Activation gradients of the trained fp32 model (the true values) on a fresh batch.
       params, model_state = result.state
@@ -492,6 +715,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   table = format_table(args.example, rows)
   print()
   print(table)
+  low_precision = None
+  if any(r.name in common.LOW_PRECISION_RECIPES for r in recipes):
+    as_dicts = {n: r.as_dict() for n, r in results.items()}
+    low_precision = {"table": low_precision_rows(args.example, as_dicts)}
+    for name in SPLIT_REFERENCES:
+      if name in masters and "bf16-split" in masters:
+        low_precision[f"split_vs_{name}"] = compare_masters(masters[name], masters["bf16-split"])
+    low_table = format_low_precision_table(args.example, low_precision["table"])
+    print()
+    print(low_table)
+    for name in SPLIT_REFERENCES:
+      if f"split_vs_{name}" in low_precision:
+        d = low_precision[f"split_vs_{name}"]
+        print(
+          f"bf16-split's fp32 parameters against {name}'s: {100 * d['bit_equal_share']:.2f}% of "
+          f"{d['elements']:,} bit for bit equal, difference {d['rms_rel_diff']:.2e} rms, "
+          f"{d['max_rel_diff']:.2e} at most (relative to each tensor's rms)"
+        )
   print(f"\n{len(recipes)} recipes in {wall:.0f} s")
 
   summary = {
@@ -515,6 +756,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "results": {n: r.as_dict() for n, r in results.items()},
     "activation_gradients": activation,
   }
+  if low_precision is not None:
+    summary["low_precision"] = low_precision
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"{args.example}_compare.json")
   with open(path, "w") as f:
@@ -522,6 +765,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   with open(os.path.join(args.out, f"{args.example}_compare.md"), "w") as f:
     f.write(table + "\n")
   written = [path]
+  if low_precision is not None:
+    written.append(os.path.join(args.out, f"{args.example}_low_precision.md"))
+    with open(written[-1], "w") as f:
+      f.write(low_table + "\n")
   if not args.no_plots:
     written += write_plots(args.example, summary, args.out)
   print("wrote " + ", ".join(written))

@@ -141,9 +141,10 @@ def low_precision_params(
   def init(params):
     _check_params(params, method)
     inner_state = inner.init(jax.tree.map(_wide, params))
-    # Initial moments are zeros (exact in any dtype): rounding them needs no noise.
+    # The initial state is stored rounded to nearest: it is usually zeros (exact in any dtype),
+    # and noise would only cost time.
     return LowPrecisionParamsState(
-      inner_state=_store(inner_state, state_dtype, method, key),
+      inner_state=_store(inner_state, state_dtype, "nearest", key),
       steps=jnp.zeros((), jnp.int32),
       key=jax.random.key_data(key),
       residual=_initial_residual(params, method),

@@ -1,10 +1,14 @@
 """The guides' code runs, and the generated parts of the docs cover the code.
 
-A ```python block directly preceded by a line ``<!-- tested ... -->`` in ``docs/*.md`` is run;
-the blocks of one page run in order in one namespace. (The full docs build, warnings as errors,
-is in ``test_static_checks.py``.)
+Every ```python block in ``docs/`` is run: it must be directly preceded by a line
+``<!-- tested ... -->`` (test_every_python_block_is_tested), and the blocks of one page run in
+order in one namespace. A marker saying ``(needs MODULE)`` runs its block only where ``MODULE``
+can be imported (an optional dependency). (The full docs build, warnings as errors, is in
+``test_static_checks.py``.)
 """
 
+import importlib.util
+import os
 import pathlib
 import re
 import subprocess
@@ -14,32 +18,102 @@ import pytest
 
 import jmp_lite
 
+os.environ.setdefault("MPLBACKEND", "Agg")  # the plots a page draws go nowhere
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-TESTED_BLOCK = re.compile(r"^<!-- tested[^\n]*-->\n```python\n(.*?)^```", re.S | re.M)
+TESTED_BLOCK = re.compile(r"^<!-- tested([^\n]*)-->\n```python\n(.*?)^```", re.S | re.M)
+NEEDS = re.compile(r"\(needs ([\w.]+)\)")
 PAGES = sorted(p.name for p in DOCS.glob("*.md") if TESTED_BLOCK.search(p.read_text()))
-# Pages whose blocks run several 8-device steps: each run in a process of its own, since a
-# 2-core machine can abort the third such step in one process ("Termination timeout").
-OWN_PROCESS = {"multi-device.md"}
+# Pages whose blocks run multi-device steps, each run in a process of its own with this many
+# host devices, since a 2-core machine can abort the third 8-device step in one process
+# ("Termination timeout").
+OWN_PROCESS = {"multi-device.md": 8, "migrating-from-flax.md": 2}
+# A fence whose code Sphinx or a reader takes for Python: it must be spelled ```python and be
+# tested. (Output and error text go in ```text or bare ``` fences.)
+PYTHON_FENCE = re.compile(
+  r"^```[ \t]*(?:\{code(?:-block|-cell)?\}[ \t]*)?(?:python3?|py|ipython)\b", re.M
+)
 
 
-def run_page(page: str, text: str) -> None:
-  """Runs the tested blocks of ``text`` (the page ``page``) in order, in one namespace."""
+def run_page(page: str, text: str) -> list[str]:
+  """Runs the tested blocks of ``text`` (the page ``page``) in order, in one namespace.
+
+  Returns:
+    A line per block that was not run for want of the module its marker needs.
+  """
   namespace: dict = {"__name__": f"docs.{page}"}
+  not_run = []
   for match in TESTED_BLOCK.finditer(text):
-    line = text.count("\n", 0, match.start(1)) + 1
+    line = text.count("\n", 0, match.start(2)) + 1
+    needs = NEEDS.search(match.group(1))
+    if needs and importlib.util.find_spec(needs.group(1)) is None:
+      not_run.append(f"{page}:{line} needs {needs.group(1)}")
+      continue
     # Padding keeps tracebacks pointing at the right line of the page.
-    code = "\n" * (line - 1) + match.group(1)
+    code = "\n" * (line - 1) + match.group(2)
     exec(compile(code, str(DOCS / page), "exec"), namespace)
+  return not_run
+
+
+def run_page_in_process(page: str, text: str, env: dict[str, str]) -> None:
+  """:func:`run_page` in a new Python process with the environment ``env``."""
+  script = "import sys, test_docs; test_docs.run_page(sys.argv[1], sys.stdin.read())"
+  result = subprocess.run(
+    [sys.executable, "-c", script, page],
+    input=text,
+    cwd=pathlib.Path(__file__).parent,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-4000:]
+
+
+def with_devices(env: dict[str, str], count: int) -> dict[str, str]:
+  """``env`` (8 host devices) with ``count`` host devices instead."""
+  flag = "--xla_force_host_platform_device_count="
+  assert f"{flag}8" in env["XLA_FLAGS"]
+  return {**env, "XLA_FLAGS": env["XLA_FLAGS"].replace(f"{flag}8", f"{flag}{count}")}
 
 
 def test_guides_have_tested_examples():
   assert {"getting-started.md", "recipe.md", "multi-device.md", "checkpointing.md"} <= set(PAGES)
 
 
-@pytest.mark.parametrize("page", sorted(set(PAGES) - OWN_PROCESS))
+SOURCES = sorted(
+  p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if "_build" not in p.parts
+)
+
+
+@pytest.mark.parametrize("page", SOURCES)
+def test_every_python_block_is_tested(page):
+  text = (DOCS / page).read_text()
+  fences = [text.count("\n", 0, m.start()) + 1 for m in PYTHON_FENCE.finditer(text)]
+  tested = [text.count("\n", 0, m.start(2)) for m in TESTED_BLOCK.finditer(text)]
+  untested = sorted(set(fences) - set(tested))
+  assert not untested, (
+    f"{page}: the ```python blocks at lines {untested} are not run by the tests: put a line "
+    "<!-- tested ... --> right above each (or make a block that is not Python a ```text one)"
+  )
+  markers = len(re.findall(r"^<!-- tested", text, re.M))
+  assert markers == len(tested), f"{page}: a <!-- tested --> line not right above ```python"
+
+
+@pytest.mark.parametrize("page", sorted(set(PAGES) - set(OWN_PROCESS)))
 def test_guide_examples_run(page, capsys):
-  run_page(page, (DOCS / page).read_text())
+  not_run = run_page(page, (DOCS / page).read_text())
+  if "matplotlib.pyplot" in sys.modules:  # the figures a page drew
+    sys.modules["matplotlib.pyplot"].close("all")
+  if not_run:
+    pytest.skip(f"the other blocks ran; not run: {', '.join(not_run)}")
+
+
+@pytest.mark.parametrize("page", sorted(set(OWN_PROCESS) - {"multi-device.md"}))
+def test_multi_device_guide_examples_run(page, multi_device_env):
+  env = with_devices(multi_device_env, OWN_PROCESS[page])
+  run_page_in_process(page, (DOCS / page).read_text(), env)
 
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
@@ -49,17 +123,8 @@ def test_multi_device_guide_runs_under_both_axis_types(axis_type, multi_device_e
   text = (DOCS / "multi-device.md").read_text()
   assert "AxisType.Explicit" in text
   text = text.replace("AxisType.Explicit", f"AxisType.{axis_type}")
-  script = "import sys, test_docs; test_docs.run_page('multi-device.md', sys.stdin.read())"
-  result = subprocess.run(
-    [sys.executable, "-c", script],
-    input=text,
-    cwd=pathlib.Path(__file__).parent,
-    env=multi_device_env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr[-4000:]
+  env = with_devices(multi_device_env, OWN_PROCESS["multi-device.md"])
+  run_page_in_process("multi-device.md", text, env)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +207,23 @@ def test_readme_training_step_is_15_lines_and_runs():
   )
   assert params["w"].dtype == jnp.float32 and jnp.isfinite(loss)
   assert int(jmp_lite.get_loss_scaling_state(opt_state).steps) == 1
+
+
+def _slug(heading: str) -> str:
+  """The anchor MyST (``myst_heading_anchors``) and GitHub give a heading."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_training_step_links_to_its_tested_version():
+  readme = (ROOT / "README.md").read_text()
+  section = readme.split("## A training step", 1)[1].split("\n## ", 1)[0]
+  links = re.findall(r"\]\((docs/[\w-]+\.md)#([\w-]+)\)", section)
+  assert links, "README's training step links to no complete version in docs/"
+  for page, anchor in links:
+    parts = re.split(r"^#+ (.*)$", (ROOT / page).read_text(), flags=re.M)
+    bodies = {_slug(title): body for title, body in zip(parts[1::2], parts[2::2], strict=True)}
+    assert anchor in bodies, f"{page} has no heading #{anchor}"
+    assert TESTED_BLOCK.search(bodies[anchor]), f"{page}#{anchor} has no tested block"
 
 
 def test_readme_links_resolve():

@@ -1,11 +1,13 @@
 """The examples end to end in --quick mode, and the comparison's JSON.
 
 Everything runs in-process on tiny models (the quick presets compile with
-XLA's backend optimizations off), so the file takes well under a minute on 2
-cores. The comparison runs the LM's underflow scenario (a global batch of
+XLA's backend optimizations off), so the file takes about a minute on 2 cores.
+The comparison runs the LM's underflow scenario (a global batch of
 2^19 tokens, --replicas 1024 at the quick preset's 512 tokens per step) with
 the three recipes whose relation the issue pins down: fp32, fp16 without
 loss scaling (measurably worse) and fp16 with a dynamic scale (matches fp32).
+A second comparison runs the opt-in low-precision-params group (bf16
+parameters, issue 16) and checks its outputs and the split's exactness.
 """
 
 import json
@@ -205,3 +207,98 @@ def test_underflow_scenario(comparison):
   head = act["stats"]["head"]
   assert head["underflow_fraction"] > 0.5
   assert act["stats_at_dynamic_scale"]["head"]["underflow_fraction"] < 0.01
+
+
+# Pure 16-bit training (issue 16): the opt-in low-precision-params group.
+LOW_PRECISION = common.RECIPE_GROUPS["low-precision-params"]
+
+
+def test_low_precision_group_is_opt_in(capsys):
+  assert LOW_PRECISION == (
+    "fp32-master",
+    "fp32-master-view",
+    "bf16-nearest",
+    "bf16-stochastic",
+    "bf16-kahan",
+    "bf16-split",
+  )
+  for example in compare.EXAMPLES:
+    assert not set(LOW_PRECISION) & set(compare.DEFAULT_RECIPES[example])
+    assert compare.recipe_names(None, example) == list(compare.DEFAULT_RECIPES[example])
+  assert compare.recipe_names("fp32, low-precision-params", "charlm") == ["fp32", *LOW_PRECISION]
+  assert common.get_recipe("bf16-stochastic").moment_dtype == "bfloat16"
+  with pytest.raises(SystemExit):
+    compare.build_parser().parse_args(["--help"])
+  assert "low-precision-params" in capsys.readouterr().out
+
+
+def test_bf16_high_half_is_the_splits_high_half():
+  from jmp_lite import _rounding
+
+  x = jax.random.normal(jax.random.key(0), (4096,)) * jnp.logspace(-30, 30, 4096)
+  # Ties (the dropped 16 bits are exactly 0x8000), both signs: away from zero.
+  ties = jax.lax.bitcast_convert_type(
+    jnp.asarray([0x3F808000, 0x3F818000, 0x00008000, 0x7F008000], jnp.int32), jnp.float32
+  )
+  x = jnp.concatenate([x, ties, -ties])
+  high = common.bf16_high_half(x)
+  assert high.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(high, _rounding.split_float32(x)[0])
+  # The gradient passes through unchanged, in fp32.
+  g = jax.grad(lambda v: jnp.sum(common.bf16_high_half(v).astype(jnp.float32) * 3.0))(x)
+  assert g.dtype == jnp.float32 and bool(jnp.all(g == 3.0))
+
+
+@pytest.fixture(scope="module")
+def low_precision(tmp_path_factory):
+  out = tmp_path_factory.mktemp("low_precision")
+  compare.main([*QUICK, "--recipes", "low-precision-params", "--out", str(out)])
+  with open(out / "charlm_compare.json") as f:
+    return json.load(f), out
+
+
+def test_low_precision_outputs(low_precision):
+  summary, out = low_precision
+  steps = summary["train"]["steps"]
+  assert list(summary["results"]) == list(LOW_PRECISION)
+  assert (out / "charlm_low_precision.png").stat().st_size > 1000
+  assert (out / "charlm_low_precision.md").read_text().count("\n") == 2 + len(LOW_PRECISION)
+  rows = {row["recipe"]: row for row in summary["low_precision"]["table"]}
+  assert list(rows) == list(LOW_PRECISION)
+  base = summary["results"]["fp32-master"]["final"]
+  # Bytes per parameter of parameters + optimizer state (Adam), counted from the trees: fp32
+  # 4 + 8; bf16 parameters 2, with fp32 moments 8 or bf16 moments 4, Kahan's or the split's
+  # 2 more. The counters, key and loss-scaling state add under 0.01 per parameter.
+  expected = {"fp32-master": 12, "fp32-master-view": 12, "bf16-nearest": 10}
+  expected |= {"bf16-stochastic": 6, "bf16-kahan": 12, "bf16-split": 12}
+  for name, r in summary["results"].items():
+    row = rows[name]
+    assert row["bytes_per_param"] == pytest.approx(expected[name], abs=0.01), name
+    relative = r["final"]["val_loss"] / base["val_loss"] - 1  # of values rounded to 6 digits
+    assert row["val_loss_rel"] == pytest.approx(relative, abs=1e-5), name
+    assert _finite(r["train_loss"]) and r["skipped"] == [], name
+    share = compare.rounded_away_share(r)
+    if common.get_recipe(name).params_method is None:
+      assert share is None and row["rounded_away"] is None, name
+      continue
+    assert (
+      r["low_precision_size"] == summary["results"]["fp32-master"]["state_bytes"]["param_elements"]
+    )
+    assert len(share) == steps and all(0.0 <= s <= 1.0 for s in share), name
+    # The first step's learning rate is 0 (warmup): no update, none lost.
+    assert share[0] == 0.0 and max(share) > 0.0, name
+    assert set(row["rounded_away"]) == {"start", "middle", "end"}
+  assert _decreased(summary["results"]["bf16-nearest"]["train_loss"])
+
+
+def test_split_loses_no_update(low_precision):
+  """bf16-split's fp32 values are bit for bit those of fp32 training reading the same view."""
+  summary, _ = low_precision
+  results = summary["results"]
+  for key in ("train_loss", "val_loss", "val_accuracy"):
+    assert results["bf16-split"][key] == results["fp32-master-view"][key], key
+  exact = summary["low_precision"]["split_vs_fp32-master-view"]
+  assert exact["bit_equal_share"] == 1.0 and exact["max_rel_diff"] == 0.0
+  # fp32-master reads XLA's round-to-nearest view (and fp32 embedding and LayerNorm
+  # parameters) of fp32 initial values: close, not equal.
+  assert summary["low_precision"]["split_vs_fp32-master"]["bit_equal_share"] < 1.0
