@@ -217,9 +217,9 @@ def no_declared_accumulation() -> Iterator[None]:
 
   A private hook (with fp8_check's use of ``jmp_lite.fp8._matmul.DOT_KERNEL``), deliberately:
   jmp_lite decides whether to attach ``precision=DotAlgorithmPreset...`` from the platform it
-  traces for, and offers no switch, since a user should not need one. benchmarks/gpu.py's ``policy_bf16_undeclared``
-  recipe measures what the declaration costs, so it swaps that platform lookup while the
-  model is traced.
+  traces for, and offers no switch, since a user should not need one. benchmarks/gpu.py's
+  ``policy_bf16_undeclared`` recipe measures what the declaration costs, so it swaps that
+  platform lookup while the model is traced.
   """
   accumulate = importlib.import_module("jmp_lite.flax._accumulate")
   platform = accumulate._platform
