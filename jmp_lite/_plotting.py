@@ -25,8 +25,8 @@ def _pyplot():
     import matplotlib.pyplot as plt
   except ImportError as e:
     raise ImportError(
-      "jmp_lite.plotting needs matplotlib: pip install 'jmp_lite[examples]' "
-      "(or pip install matplotlib)."
+      "jmp_lite.plotting needs matplotlib: pip install matplotlib (in a clone of jmp_lite, "
+      "pip install -e '.[examples]' installs it with the examples' other extras)."
     ) from e
   return plt
 

@@ -7,7 +7,8 @@ Each draws on ``ax`` (default: a new figure's axes) and returns the axes.
 
 Importing this module does not import matplotlib, and neither does
 ``import jmp_lite``: the first plot does. matplotlib is an optional dependency
-(``pip install "jmp_lite[examples]"``); without it, a plot raises ImportError.
+(``pip install matplotlib``, or the ``examples`` extra of a clone); without it,
+a plot raises ImportError.
 
 ::
 
