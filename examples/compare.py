@@ -39,7 +39,7 @@ logit is then ``(p - onehot) / 2^19``, and fp16 without a loss scale flushes
 most activation gradients to zero: that run trains far worse than fp32 without
 a warning, a NaN or a skipped step. docs/examples.md explains the numbers.
 
-Run: python -m examples.compare                      (3-4 minutes on 2 CPU cores)
+Run: python -m examples.compare                      (3-4 minutes on 2 busy CPU cores)
      python -m examples.compare --example digits
      python -m examples.compare --recipes fp32,fp16,fp16-dynamic --steps 1000
      python -m examples.compare --replicas 1          (no underflow scenario)
@@ -58,6 +58,7 @@ import os
 import platform as platform_lib
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -136,9 +137,16 @@ def _fmt_scale(x: float | None) -> str:
   return f"2^{e:.0f}" if e == round(e) else f"{x:g}"
 
 
+def baseline(names: Sequence[str]) -> str | None:
+  """The recipe the table's ratios are relative to: fp32, else fp32-master, else none."""
+  return next((n for n in ("fp32", "fp32-master") if n in names), None)
+
+
 def table_rows(example: str, results: dict[str, common.RunResult]) -> list[dict[str, Any]]:
-  """One row per recipe, in plain values (also stored in the JSON)."""
-  base = results.get("fp32") or results.get("fp32-master")
+  """One row per recipe, in plain values (also stored in the JSON). The ``*_vs_fp32`` ratios
+  are relative to :func:`baseline`'s recipe (fp32-master in a low-precision-params run)."""
+  base_name = baseline(list(results))
+  base = results[base_name] if base_name else None
   rows = []
   for name, r in results.items():
     f = r.final
@@ -168,41 +176,67 @@ def table_rows(example: str, results: dict[str, common.RunResult]) -> list[dict[
 
 
 def format_table(example: str, rows: list[dict[str, Any]]) -> str:
-  """A Markdown table (also readable as plain text)."""
-  metric = ["val bpc"] if example == "charlm" else []
-  header = [
-    "recipe",
-    "train loss",
-    "val loss",
-    *metric,
-    "val acc",
-    "skipped",
-    "final scale",
-    "step ms",
-    "x fp32",
-    "memory MiB",
-    "x fp32",
+  """A Markdown table (also readable as plain text), with only the columns the recipes in
+  ``rows`` fill: no loss-scale column without a loss-scaled recipe, no ratio columns without
+  a baseline (:func:`baseline`), whose name the ratio headers carry."""
+  base = baseline([row["recipe"] for row in rows])
+  scaled = any(row["final_loss_scale"] is not None for row in rows)
+
+  def ratio(x):
+    return "-" if x is None else f"{x:.2f}"
+
+  columns: list[tuple[str, Any]] = [
+    ("recipe", lambda row: row["recipe"]),
+    ("train loss", lambda row: f"{row['train_loss']:.3f}"),
+    ("val loss", lambda row: f"{row['val_loss']:.3f}"),
   ]
+  if example == "charlm":
+    columns.append(("val bpc", lambda row: f"{row['val_bpc']:.3f}"))
+  columns += [
+    ("val acc", lambda row: f"{row['val_accuracy']:.3f}"),
+    ("skipped steps", lambda row: str(row["skipped_steps"])),
+  ]
+  if scaled:
+    columns.append(("final loss scale", _scale_cell))
+  columns.append(("median step ms", lambda row: f"{row['step_time_ms']:.1f}"))
+  if base:
+    columns.append((f"step time x {base}", lambda row: ratio(row.get("step_time_vs_fp32"))))
+  columns.append(
+    ("memory MiB", lambda row: "-" if row["memory_mib"] is None else f"{row['memory_mib']:.1f}")
+  )
+  if base:
+    columns.append((f"memory x {base}", lambda row: ratio(row.get("memory_vs_fp32"))))
+  header = [name for name, _ in columns]
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
   for row in rows:
-    scale = _fmt_scale(row["final_loss_scale"])
-    if row["final_stage_scales"]:
-      scale = "/".join(_fmt_scale(s) for s in row["final_stage_scales"])
-    cells = [
-      row["recipe"],
-      f"{row['train_loss']:.3f}",
-      f"{row['val_loss']:.3f}",
-      *([f"{row['val_bpc']:.3f}"] if metric else []),
-      f"{row['val_accuracy']:.3f}",
-      str(row["skipped_steps"]),
-      scale,
-      f"{row['step_time_ms']:.1f}",
-      f"{row.get('step_time_vs_fp32', float('nan')):.2f}",
-      f"{row['memory_mib']:.1f}" if row["memory_mib"] is not None else "-",
-      f"{row.get('memory_vs_fp32', float('nan')):.2f}",
-    ]
-    lines.append("| " + " | ".join(cells) + " |")
+    lines.append("| " + " | ".join(cell(row) for _, cell in columns) + " |")
   return "\n".join(lines)
+
+
+def _scale_cell(row: dict[str, Any]) -> str:
+  if row["final_stage_scales"]:
+    return "/".join(_fmt_scale(s) for s in row["final_stage_scales"])
+  return _fmt_scale(row["final_loss_scale"])
+
+
+def table_notes(rows: list[dict[str, Any]], rounds: int, per_round: int) -> str:
+  """What the table's less obvious columns mean (printed under it)."""
+  base = baseline([row["recipe"] for row in rows])
+  notes = [
+    f"median step ms: median wall time of one training step after compilation, {rounds} x "
+    f"{per_round} steps per recipe timed after training with the recipes interleaved round by "
+    "round, so that other processes' load falls on all alike (the 'training loop' times above "
+    "ran one recipe after another and follow the load).",
+  ]
+  if base:
+    notes.append(f"x {base}: that recipe's value divided by {base}'s.")
+  notes.append(
+    "memory MiB: the compiled training step's arguments + outputs - donated buffers + "
+    "temporaries (memory_analysis())."
+  )
+  if any(row["final_stage_scales"] for row in rows):
+    notes.append("final loss scale of fp16-layerwise: one per stage, embedding to head.")
+  return "\n".join(textwrap.fill(note, 100, subsequent_indent="  ") for note in notes)
 
 
 def _tenths(values: Sequence[float]) -> dict[str, float]:
@@ -262,43 +296,53 @@ def low_precision_rows(example: str, results: dict[str, Any]) -> list[dict[str, 
 
 
 def format_low_precision_table(example: str, rows: list[dict[str, Any]]) -> str:
-  """The low-precision-params rows as a Markdown table."""
-  metric = ["val bpc"] if example == "charlm" else []
-  header = [
-    "recipe",
-    "params",
-    "moments",
-    "val loss",
-    "vs fp32-master",
-    *metric,
-    "val acc",
-    "vs fp32-master",
-    "rounded away: start / middle / end",
-    "bytes/param",
-    "x fp32-master",
-  ]
+  """The low-precision-params rows as a Markdown table; the columns relative to fp32-master
+  only when it ran, the rounded-away shares only when a bf16-parameter recipe ran."""
+  base = any("val_loss_rel" in row for row in rows)
   short = {"float32": "fp32", "bfloat16": "bf16"}
 
   def pct(x, points=False):
     return "-" if x is None else f"{100 * x:+.2f}{' pts' if points else '%'}"
 
+  def away(row):
+    shares = row["rounded_away"]
+    if not shares:
+      return "-"
+    return " / ".join(f"{100 * shares[k]:.1f}%" for k in ("start", "middle", "end"))
+
+  def params(row):
+    method = f" ({row['method']})" if row["method"] != "fp32 master" else ""
+    return short[row["param_dtype"]] + method
+
+  columns: list[tuple[str, Any]] = [
+    ("recipe", lambda row: row["recipe"]),
+    ("params", params),
+    ("moments", lambda row: short[row["moment_dtype"]]),
+    ("val loss", lambda row: f"{row['val_loss']:.4f}"),
+  ]
+  if base:
+    columns.append(("val loss vs fp32-master", lambda row: pct(row.get("val_loss_rel"))))
+  if example == "charlm":
+    columns.append(("val bpc", lambda row: f"{row['val_bpc']:.4f}"))
+  columns.append(("val acc", lambda row: f"{row['val_accuracy']:.4f}"))
+  if base:
+    columns.append(
+      ("val acc vs fp32-master", lambda row: pct(row.get("val_accuracy_diff"), points=True))
+    )
+  if any(row["rounded_away"] for row in rows):
+    columns.append(("rounded away: start / middle / end", away))
+  columns.append(("bytes/param", lambda row: f"{row['bytes_per_param']:.2f}"))
+  if base:
+    columns.append(
+      (
+        "bytes x fp32-master",
+        lambda row: f"{row['bytes_vs_fp32_master']:.2f}" if "bytes_vs_fp32_master" in row else "-",
+      )
+    )
+  header = [name for name, _ in columns]
   lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
   for row in rows:
-    away = row["rounded_away"]
-    cells = [
-      row["recipe"],
-      short[row["param_dtype"]] + (f" ({row['method']})" if row["method"] != "fp32 master" else ""),
-      short[row["moment_dtype"]],
-      f"{row['val_loss']:.4f}",
-      pct(row.get("val_loss_rel")),
-      *([f"{row['val_bpc']:.4f}"] if metric else []),
-      f"{row['val_accuracy']:.4f}",
-      pct(row.get("val_accuracy_diff"), points=True),
-      " / ".join(f"{100 * away[k]:.1f}%" for k in ("start", "middle", "end")) if away else "-",
-      f"{row['bytes_per_param']:.2f}",
-      f"{row['bytes_vs_fp32_master']:.2f}" if "bytes_vs_fp32_master" in row else "-",
-    ]
-    lines.append("| " + " | ".join(cells) + " |")
+    lines.append("| " + " | ".join(cell(row) for _, cell in columns) + " |")
   return "\n".join(lines)
 
 
@@ -338,21 +382,74 @@ def _ema(values: Sequence[float], alpha: float = 0.1) -> np.ndarray:
   return np.asarray(out)
 
 
-COLORS = {
-  "fp32": "black",
-  "bf16": "tab:blue",
-  "fp16": "tab:red",
-  "fp16-static": "tab:orange",
-  "fp16-dynamic": "tab:green",
-  "fp16-layerwise": "tab:purple",
-  "fp8": "tab:brown",
-  "fp32-master": "dimgray",
-  "fp32-master-view": "tab:olive",
-  "bf16-nearest": "tab:red",
-  "bf16-stochastic": "tab:green",
-  "bf16-kahan": "tab:blue",
-  "bf16-split": "tab:purple",
+STYLES: dict[str, tuple[str, Any]] = {
+  "fp32": ("black", "-"),
+  "bf16": ("tab:blue", "--"),
+  "fp16": ("tab:red", "-"),
+  "fp16-static": ("tab:orange", ":"),
+  "fp16-dynamic": ("tab:green", "-."),
+  "fp16-layerwise": ("tab:purple", (0, (6, 2))),
+  "fp8": ("tab:brown", (0, (3, 1, 1, 1, 1, 1))),
+  "fp32-master": ("dimgray", "-"),
+  "fp32-master-view": ("tab:olive", "--"),
+  "bf16-nearest": ("tab:red", "--"),
+  "bf16-stochastic": ("tab:green", ":"),
+  "bf16-kahan": ("tab:cyan", "-."),
+  "bf16-split": ("tab:pink", (0, (6, 2))),
 }
+"""(colour, line style) per recipe, the same in every figure and run: distinct colours
+within each recipe list (the default one, the low-precision-params group), and a distinct
+pair across both; the line styles keep curves drawn on top of each other visible."""
+_FALLBACK = ("tab:gray", "tab:olive", "tab:cyan", "tab:pink", "gold")
+OVERLAP = 0.01
+"""Curves closer than this share of the axis's height at every point are drawn on top of
+each other: the legend says so."""
+
+
+def _style(name: str) -> dict[str, Any]:
+  """``color`` and ``linestyle`` keywords for ``name``'s curves."""
+  color, linestyle = STYLES.get(name) or (_FALLBACK[sum(map(ord, name)) % len(_FALLBACK)], "-")
+  return {"color": color, "linestyle": linestyle}
+
+
+def overlapping(curves: dict[str, Sequence[float]], tolerance: float) -> list[list[str]]:
+  """Groups (two or more, in ``curves``' order) of curves that stay within ``tolerance`` of
+  each other at every point, joined when one curve is close to two others."""
+  names = list(curves)
+  group = {n: i for i, n in enumerate(names)}
+  for i, a in enumerate(names):
+    for b in names[i + 1 :]:
+      ya, yb = np.asarray(curves[a], float), np.asarray(curves[b], float)
+      if ya.shape == yb.shape and np.all(np.abs(ya - yb) <= tolerance):
+        old, new = group[b], group[a]
+        group = {n: new if g == old else g for n, g in group.items()}
+  members: dict[int, list[str]] = {}
+  for n in names:
+    members.setdefault(group[n], []).append(n)
+  return [m for m in members.values() if len(m) > 1]
+
+
+def _overlap_note(ax: Any, curves: dict[str, Sequence[float]], log2: bool = False) -> str:
+  """Which of ``curves`` the eye cannot tell apart on ``ax`` (compared within its y-limits,
+  in log2 on a log2 axis), as a sentence per group: "a, b and c overlap"."""
+  low, high = ax.get_ylim()
+  clipped = {n: np.clip(np.asarray(y, float), low, high) for n, y in curves.items()}
+  if log2:
+    clipped = {n: np.log2(y) for n, y in clipped.items()}
+  span = math.log2(high / low) if log2 else high - low
+  groups = overlapping(clipped, OVERLAP * span)
+  return _wrap(
+    "\n".join(
+      (", ".join(g[:-1]) + " and " + g[-1] if len(g) > 2 else " and ".join(g)) + " overlap"
+      for g in groups
+    )
+  )
+
+
+def _wrap(text: str, width: int = 34) -> str:
+  return "\n".join(
+    "\n".join(textwrap.wrap(line, width, break_on_hyphens=False)) for line in text.splitlines()
+  )
 
 
 def _leaf_layers(names: Sequence[str]) -> list[str]:
@@ -377,23 +474,31 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
   def save(fig, name):
     path = os.path.join(out, f"{example}_{name}.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=80, bbox_inches="tight")  # with legends outside the axes
     plt.close(fig)
     paths.append(path)
 
   # Loss curves: smoothed training loss and the validation points.
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  train = {name: _ema(r["train_loss"]) for name, r in results.items()}
   for name, r in results.items():
-    color = COLORS.get(name)
-    ax1.plot(_ema(r["train_loss"]), label=name, color=color, linewidth=1.2)
-    ax2.plot(r["eval_steps"], r["val_loss"], "o-", label=name, color=color, markersize=3)
+    ax1.plot(train[name], label=name, linewidth=1.4, **_style(name))
+    ax2.plot(r["eval_steps"], r["val_loss"], marker="o", label=name, markersize=3, **_style(name))
   ax1.set_title("training loss (EMA 0.1)")
   ax2.set_title("validation loss")
-  for ax in (ax1, ax2):
+  ax2.set_ylim(top=min(ax2.get_ylim()[1], 1.5 * max(r["val_loss"][-1] for r in results.values())))
+  val = {name: r["val_loss"] for name, r in results.items()}
+  for ax, curves in ((ax1, train), (ax2, val)):
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
-    ax.legend(fontsize="small")
-  ax2.set_ylim(top=min(ax2.get_ylim()[1], 1.5 * max(r["val_loss"][-1] for r in results.values())))
+    # Curves that lie on each other look like one: say which (top right, where the falling
+    # curves leave room).
+    note = _overlap_note(ax, curves)
+    if note:
+      box = {"facecolor": "white", "edgecolor": "lightgray", "alpha": 0.9}
+      ax.text(0.98, 0.97, note, transform=ax.transAxes, ha="right", va="top", bbox=box)
+  # One legend for both panels, right of them.
+  fig.legend(*ax1.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5))
   save(fig, "loss")
 
   # fp8 against bf16 (issue 8): the same bf16 policy, only the Dense matmuls differ.
@@ -401,8 +506,9 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
     fp8_run, bf16 = results["fp8"], results["bf16"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in (("bf16", bf16), ("fp8", fp8_run)):
-      ax1.plot(_ema(r["train_loss"]), label=f"{name} train (EMA)", color=COLORS[name])
-      ax1.plot(r["eval_steps"], r["val_loss"], "o--", color=COLORS[name], label=f"{name} val")
+      color = _style(name)["color"]
+      ax1.plot(_ema(r["train_loss"]), label=f"{name} train (EMA)", color=color)
+      ax1.plot(r["eval_steps"], r["val_loss"], "o--", color=color, label=f"{name} val")
     ax1.set_ylim(top=1.3 * max(fp8_run["val_loss"][-1], bf16["val_loss"][-1]))
     ax1.set_xlabel("step")
     ax1.set_ylabel("cross-entropy (nats)")
@@ -410,7 +516,7 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
     ax1.legend(fontsize="small")
     diff = np.asarray(fp8_run["train_loss"]) - np.asarray(bf16["train_loss"])
     ax2.plot(diff, color="lightgray", linewidth=0.8, label="per step")
-    ax2.plot(_ema(diff), color=COLORS["fp8"], label="EMA 0.1")
+    ax2.plot(_ema(diff), color=_style("fp8")["color"], label="EMA 0.1")
     ax2.plot(
       fp8_run["eval_steps"],
       np.asarray(fp8_run["val_loss"]) - np.asarray(bf16["val_loss"]),
@@ -440,19 +546,26 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
       skipped = np.zeros(len(dynamic["loss_scale"]), bool)
       skipped[dynamic["skipped"]] = True
       plotting.plot_loss_scale(
-        dynamic["loss_scale"], skipped=skipped, ax=axes.pop(0), title="fp16-dynamic"
+        dynamic["loss_scale"], skipped=skipped, ax=axes[0], title="fp16-dynamic"
       )
+      axes.pop(0).get_lines()[0].set_color(_style("fp16-dynamic")["color"])
     if others:
       ax = axes.pop(0)
+      curves = {}
       for name, r in others.items():
         stages = np.asarray(r["stage_scales"] or [[s] for s in r["loss_scale"]])
         for k in range(stages.shape[1]):
           label = f"{name} stage {k}" if stages.shape[1] > 1 else name
-          ax.step(np.arange(len(stages)), stages[:, k], where="post", label=label)
+          # Stages in the recipe's colour, told apart (and seen when equal) by line style.
+          style = _style(name) | {"linestyle": ("-", "--", ":", "-.")[k % 4]}
+          ax.step(np.arange(len(stages)), stages[:, k], where="post", label=label, **style)
+          curves[label] = stages[:, k]
       ax.set_yscale("log", base=2)
       ax.set_xlabel("step")
-      ax.set_title(" and ".join(others) + " (layer-wise: one scale per stage)")
-      ax.legend(fontsize="small")
+      layerwise = any(r["stage_scales"] for r in others.values())
+      ax.set_title(" and ".join(others) + (" (one scale per stage)" if layerwise else ""))
+      note = _overlap_note(ax, curves, log2=True)
+      ax.legend(fontsize="small", title=note or None, title_fontsize="small")
     save(fig, "loss_scale")
 
   # Activation-gradient exponents against fp16's range (Micikevicius et al., Fig. 3).
@@ -512,7 +625,7 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
       for j, (name, r) in enumerate(runs):
         last = r["grad_stats"][max(r["grad_stats"], key=int)]
         values = [last[n]["zero_fraction"] for n in param_layers]
-        ax.barh(y + 0.4 * j, values, height=0.4, color=COLORS.get(name), label=name)
+        ax.barh(y + 0.4 * j, values, height=0.4, color=_style(name)["color"], label=name)
       ax.set_yticks(y + 0.2 * (len(runs) - 1))
       ax.set_yticklabels([n.removeprefix("params/") for n in param_layers])
       ax.invert_yaxis()
@@ -533,14 +646,15 @@ def _low_precision_figure(plt: Any, summary: dict[str, Any]) -> Any:
     share = rounded_away_share(r)
     if share is None:
       continue
-    color = COLORS.get(name)
+    color = _style(name)["color"]
     nearest = common.get_recipe(name).params_method == "nearest"
     ax1.plot(share, color=color, linewidth=0.5, alpha=0.3)
-    ax1.plot(_ema(share), color=color, linewidth=2.0 if nearest else 1.2, label=name)
+    ax1.plot(_ema(share), linewidth=2.0 if nearest else 1.2, label=name, **_style(name))
   ax1.set_ylim(0, 1)
   ax1.set_xlabel("step")
   ax1.set_ylabel("share of bf16 parameter elements")
-  ax1.set_title("updates that left the bf16 value unchanged\n(lost for nearest; EMA 0.1)")
+  lost = "lost for bf16-nearest; " if "bf16-nearest" in results else ""
+  ax1.set_title(f"updates that left the bf16 value unchanged\n({lost}EMA 0.1)")
   lr_axis = ax1.twinx()
   config = common.TrainConfig(**summary["train"])
   schedule = common.make_schedule(config)
@@ -570,8 +684,8 @@ def _low_precision_figure(plt: Any, summary: dict[str, Any]) -> Any:
       if name == "fp32-master" or name not in common.LOW_PRECISION_RECIPES:
         continue
       diff = np.asarray(r["val_loss"]) - np.asarray(base["val_loss"])
-      ax2.plot(r["eval_steps"], diff, "o-", color=COLORS.get(name), markersize=3, label=name)
-    ax2.axhline(0, color=COLORS["fp32-master"], linewidth=0.8)
+      ax2.plot(r["eval_steps"], diff, marker="o", markersize=3, label=name, **_style(name))
+    ax2.axhline(0, color=_style("fp32-master")["color"], linewidth=0.8)
     ax2.set_xlabel("step")
     ax2.set_ylabel("val loss - fp32-master's (nats)")
     ax2.set_title("validation loss against fp32 master weights\n(same seed, same batches)")
@@ -667,8 +781,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results[recipe.name] = result
     print(
       f"  {recipe.name:15s} val loss {result.final['val_loss']:.3f}  "
-      f"skipped {len(result.skipped):3d}  {result.step_time_ms:6.1f} ms/step in the loop  "
-      f"(compile {result.compile_s:.1f} s)",
+      f"skipped {len(result.skipped):3d}  training loop {result.step_time_ms:6.1f} ms/step "
+      f"(10th percentile)  compile {result.compile_s:.1f} s",
       flush=True,
     )
   # Step times: the training loops above ran one after the other, so a change in the load
@@ -715,6 +829,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   table = format_table(args.example, rows)
   print()
   print(table)
+  print(table_notes(rows, rounds, per_round))
   low_precision = None
   if any(r.name in common.LOW_PRECISION_RECIPES for r in recipes):
     as_dicts = {n: r.as_dict() for n, r in results.items()}
