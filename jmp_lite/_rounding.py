@@ -36,7 +36,8 @@ def stochastic_round(x: jax.Array, dtype: jnp.dtype, key: jax.Array) -> jax.Arra
 
   The result is one of the two values of ``dtype`` around ``x``, the farther one
   with probability proportional to the distance from the nearer one, so
-  :math:`\mathbb{E}[\mathrm{sr}(x)] = x` (to the 23 bits of the uniform noise).
+  :math:`\mathbb{E}[\mathrm{sr}(x)] = x`: exactly from fp32 to bf16 (16 random
+  bits for the 16 that bf16 drops), to the 23 bits of uniform noise otherwise.
   A value of ``dtype`` stays as it is; inf and NaN stay; a value beyond the
   largest finite one rounds to that or to inf as round-to-nearest does; the
   noise never pushes a finite value to inf.
@@ -66,6 +67,8 @@ def stochastic_round(x: jax.Array, dtype: jnp.dtype, key: jax.Array) -> jax.Arra
     f"a floating format narrower than x's {x.dtype.name}",
   )
   nearest = x.astype(dtype)
+  if x.dtype == jnp.float32 and dtype == jnp.bfloat16:
+    return _stochastic_round_bf16(x, nearest, key)
   wide = nearest.astype(x.dtype)
   toward = jnp.where(x > wide, jnp.inf, -jnp.inf).astype(dtype)
   other = jnp.nextafter(nearest, toward)
@@ -74,6 +77,38 @@ def stochastic_round(x: jax.Array, dtype: jnp.dtype, key: jax.Array) -> jax.Arra
   p_other = (x - wide) / (other.astype(x.dtype) - wide)
   noise = jax.random.uniform(key, x.shape, x.dtype)
   return jnp.where(noise < p_other, other, nearest)
+
+
+def _stochastic_round_bf16(x: jax.Array, nearest: jax.Array, key: jax.Array) -> jax.Array:
+  """fp32 to bf16 on the bits: adding 16 random bits to the 16 that bf16 drops, then dropping
+  them, rounds the magnitude up with probability exactly (dropped bits) / 2^16."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  high = ((bits + (_counter_hash(key, x.shape) >> 16)) >> 16).astype(jnp.uint16)
+  rounded = lax.bitcast_convert_type(high, jnp.bfloat16)
+  # NaN stays NaN (its bits could carry into the sign), and noise never turns a finite value
+  # into inf: both take round-to-nearest's result.
+  keep = jnp.isnan(x) | (jnp.isinf(rounded) & jnp.isfinite(x))
+  return jnp.where(keep, nearest, rounded)
+
+
+def _counter_hash(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """32 random bits per element: a seed drawn from ``key`` mixed with the element's index.
+
+  One JAX draw per array, then a few integer operations per element (the finalizer of
+  MurmurHash3 over ``index * golden ratio + seed``): on CPU, Threefry bits for every element
+  cost more than the rest of an optimizer step. The index is the element's position in the
+  whole array, so the bits do not depend on how the array is sharded.
+  """
+  seed = jax.random.bits(key, (), jnp.uint32)
+  h = jnp.zeros(shape, jnp.uint32)  # the row-major index, built per axis so it shards as x does
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    h = h + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+    stride *= shape[axis]
+  h = h * jnp.uint32(0x9E3779B1) + seed
+  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
 
 
 def split_float32(x: jax.Array) -> tuple[jax.Array, jax.Array]:

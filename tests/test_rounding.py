@@ -109,3 +109,15 @@ def test_stochastic_round_rejects_bad_input():
     jl.stochastic_round(jnp.ones(3, jnp.bfloat16), jnp.float32, key)
   with pytest.raises(ValueError, match="narrower"):
     jl.stochastic_round(jnp.ones(3, jnp.float16), jnp.bfloat16, key)
+
+
+def test_counter_hash_bits_are_uniform_and_independent_of_the_layout():
+  key = jax.random.key(3)
+  bits = np.asarray(_rounding._counter_hash(key, (256, 256)))
+  # Built per axis: the same bits as the flat array's, so a sharded array draws what a whole one
+  # does.
+  np.testing.assert_array_equal(bits.ravel(), np.asarray(_rounding._counter_hash(key, (65536,))))
+  for top in (bits >> 28, (bits >> 16) & 0xF):  # the bits stochastic rounding uses
+    counts = np.bincount(top.ravel(), minlength=16)
+    assert np.all(np.abs(counts - 4096) < 5 * np.sqrt(4096 * 15 / 16)), counts
+  assert len(np.unique(bits)) == bits.size  # one value per index: a bijection of the index
