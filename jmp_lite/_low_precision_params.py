@@ -299,8 +299,10 @@ def _step(p: Any, value: Any, update: Any, method: str, key: jax.Array) -> _Step
     high = jax.lax.bitcast_convert_type(stored, jnp.int16).astype(jnp.int32) << 16
     rest = jax.lax.bitcast_convert_type(target, jnp.int32) - high
     info = np.iinfo(np.int16)
-    inexact = jnp.sum((rest < info.min) | (rest > info.max), dtype=jnp.int32)
-    kept = jnp.clip(rest, info.min, info.max).astype(jnp.int16)
+    out_of_range = (rest < info.min) | (rest > info.max)
+    inexact = jnp.sum(out_of_range, dtype=jnp.int32)
+    # An inexpressible rest keeps the value stored: a clipped one could rebuild a NaN (-0.0).
+    kept = jnp.where(out_of_range, 0, rest).astype(jnp.int16)
   return _Stepped(step, kept, rounded_away, inexact)
 
 

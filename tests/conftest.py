@@ -21,7 +21,11 @@ settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True
 settings.load_profile("ci")
 
 
+import json  # noqa: E402
 import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -45,6 +49,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_fp8_check.py",
     "test_gpu_benchmark.py",
     "test_layerwise_experiment.py",
+    "test_low_precision_params_benchmark.py",
     "flax/test_flax_memory_benchmark.py",
     "flax/test_flax_proxies_benchmark.py",
   ),
@@ -82,3 +87,24 @@ def multi_device_env() -> dict[str, str]:
   ]
   path = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
   return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), "PYTHONPATH": path}
+
+
+@pytest.fixture
+def run_on_8_devices(multi_device_env) -> Callable[..., dict]:
+  """Runs ``python ARGS...`` on 8 host CPU devices and returns the JSON of its last line.
+
+  E.g. ``run_on_8_devices("-c", SCRIPT, "case")`` or ``run_on_8_devices(WORKER_PATH, "case")``.
+  """
+
+  def run(*args: str) -> dict:
+    result = subprocess.run(
+      [sys.executable, *args],
+      env=multi_device_env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+  return run

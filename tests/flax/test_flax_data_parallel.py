@@ -1,9 +1,6 @@
 """axis_name on jl.flax.TrainState and jl.flax.Optimizer: data parallelism with no pmean written."""
 
-import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -11,16 +8,8 @@ WORKER = pathlib.Path(__file__).with_name("data_parallel_worker.py")
 
 
 @pytest.mark.parametrize("case", ["linen_pmap", "nnx_shard_map"])
-def test_one_skip_decision_and_averaged_gradients_on_every_device(case, multi_device_env):
-  result = subprocess.run(
-    [sys.executable, str(WORKER), case],
-    env=multi_device_env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  out = json.loads(result.stdout.strip().splitlines()[-1])
+def test_one_skip_decision_and_averaged_gradients_on_every_device(case, run_on_8_devices):
+  out = run_on_8_devices(str(WORKER), case)
   # The inf was in one device's batch: every device skipped that step, as one device does.
   assert out["skipped"] == [1] * 8 and out["one_device_skipped"] == 1, out
   assert len(set(out["scales"])) == 1 and out["scales"][0] == 2.0**9, out

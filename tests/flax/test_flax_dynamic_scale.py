@@ -9,9 +9,6 @@ its own (docs/migrating-from-flax.md).
 """
 
 import functools
-import json
-import subprocess
-import sys
 import textwrap
 
 import flax.linen as nn
@@ -536,16 +533,8 @@ print(json.dumps(out))
 """
 
 
-def test_axis_name_averages_and_agrees_like_flax_under_pmap(multi_device_env):
-  result = subprocess.run(
-    [sys.executable, "-c", textwrap.dedent(PMAP)],
-    env=multi_device_env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  out = json.loads(result.stdout.strip().splitlines()[-1])
+def test_axis_name_averages_and_agrees_like_flax_under_pmap(run_on_8_devices):
+  out = run_on_8_devices("-c", textwrap.dedent(PMAP))
   ours, flax = out["ours"], out["flax"]
   for key in ("is_fin", "scale", "value", "b"):
     np.testing.assert_array_equal(ours[key], flax[key], err_msg=key)
