@@ -236,7 +236,8 @@ def _check_params(params: Any, method: str) -> None:
 
 
 def _round(x: jax.Array, dtype: Any, key: jax.Array, method: str) -> jax.Array:
-  if method == "stochastic":
+  # Only a narrower dtype rounds; state_dtype=float32 keeps fp32 moments as they are.
+  if method == "stochastic" and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
     return _rounding.stochastic_round(x, dtype, key)
   return x.astype(dtype)
 

@@ -174,6 +174,16 @@ def test_state_dtype_stores_the_moments_rounded_by_the_method(method):
       assert bool(jnp.any(got != nearest))
 
 
+def test_stochastic_with_fp32_state_dtype_keeps_the_fp32_moments():
+  params, grads = jnp.linspace(-1, 1, 8).astype(bf16), jnp.linspace(0.3, -0.7, 8)
+  inner = optax.adam(1e-3)
+  tx = jl.low_precision_params(inner, "stochastic", state_dtype=jnp.float32)
+  _, state = tx.update(grads, tx.init(params), params)
+  wide = params.astype(jnp.float32)
+  _, ref = inner.update(grads, inner.init(wide), wide)
+  np.testing.assert_array_equal(state.inner_state[0].nu, ref[0].nu)
+
+
 def run_stochastic(steps, seed=0, resume_at=None):
   loss, w0 = regression()
   tx = jl.low_precision_params(optax.sgd(1e-3), "stochastic", seed=seed, state_dtype=bf16)
