@@ -144,9 +144,10 @@ def low_precision_params(
     # The initial state is stored rounded to nearest: it is usually zeros (exact in any dtype),
     # and noise would only cost time.
     return LowPrecisionParamsState(
-      inner_state=_store(inner_state, state_dtype, "nearest", key),
+      inner_state=_store(inner_state, state_dtype, "nearest", None),
       steps=jnp.zeros((), jnp.int32),
-      key=jax.random.key_data(key),
+      # A copy: a step that donates the state must not delete this transformation's key.
+      key=jnp.array(jax.random.key_data(key), copy=True),
       residual=_initial_residual(params, method),
       rounded_away=jnp.zeros((), jnp.int32),
       inexact=jnp.zeros((), jnp.int32),
@@ -158,16 +159,19 @@ def low_precision_params(
         "low_precision_params needs the parameters: call update(grads, state, params)."
       )
     _check_params(params, method)
-    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key, impl=impl), state.steps)
-    params_key, state_key = jax.random.split(step_key)
     values = _read(params, state.residual)
     inner_state = jax.tree.map(_wide, state.inner_state)
     updates, inner_state = inner.update(
       jax.tree.map(_wide, grads), inner_state, values, **extra_args
     )
-    updates, residual, lost, inexact = _step_all(params, values, updates, method, params_key)
+    # One draw per step seeds every array's rounding: a Threefry call per array would be a
+    # loop per array on CPU. Unused (and compiled away) unless the method is stochastic.
+    n_params = len(jax.tree.leaves(params))
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key, impl=impl), state.steps)
+    seeds = jax.random.bits(step_key, (n_params + len(jax.tree.leaves(inner_state)),), jnp.uint32)
+    updates, residual, lost, inexact = _step_all(params, values, updates, method, seeds)
     return updates, LowPrecisionParamsState(
-      inner_state=_store(inner_state, state_dtype, method, state_key),
+      inner_state=_store(inner_state, state_dtype, method, seeds[n_params:]),
       steps=optax.safe_increment(state.steps),
       key=state.key,
       residual=residual,
@@ -179,12 +183,12 @@ def low_precision_params(
 
 
 def _step_all(
-  params: Any, values: Any, updates: Any, method: str, key: jax.Array
+  params: Any, values: Any, updates: Any, method: str, seeds: jax.Array
 ) -> tuple[Any, Any, jax.Array, jax.Array]:
   """Every parameter's :func:`_step`: updates, residual, elements rounded away, inexact."""
   p_leaves, treedef = jax.tree.flatten(params)
   stepped = [
-    _step(p, m, u, method, jax.random.fold_in(key, i))
+    _step(p, m, u, method, seeds[i])
     for i, (p, m, u) in enumerate(
       zip(p_leaves, jax.tree.leaves(values), jax.tree.leaves(updates), strict=True)
     )
@@ -209,15 +213,18 @@ def _as_key(seed: Any) -> jax.Array:
   return seed
 
 
-def _store(tree: Any, state_dtype: Any, method: str, key: jax.Array) -> Any:
-  """The inner state with its floating arrays in ``state_dtype``, rounded by ``method``."""
+def _store(tree: Any, state_dtype: Any, method: str, seeds: jax.Array | None) -> Any:
+  """The inner state with its floating arrays in ``state_dtype``, rounded by ``method`` (a
+  stochastic method takes one seed per leaf)."""
   if state_dtype is None:
     return tree
   leaves, treedef = jax.tree.flatten(tree)
   return jax.tree.unflatten(
     treedef,
     [
-      _round(x, state_dtype, jax.random.fold_in(key, i), method) if _is_stored_narrow(x) else x
+      _round(x, state_dtype, None if seeds is None else seeds[i], method)
+      if _is_stored_narrow(x)
+      else x
       for i, x in enumerate(leaves)
     ],
   )
@@ -235,10 +242,11 @@ def _check_params(params: Any, method: str) -> None:
       )
 
 
-def _round(x: jax.Array, dtype: Any, key: jax.Array, method: str) -> jax.Array:
+def _round(x: jax.Array, dtype: Any, seed: jax.Array | None, method: str) -> jax.Array:
   # Only a narrower dtype rounds; state_dtype=float32 keeps fp32 moments as they are.
   if method == "stochastic" and jnp.dtype(dtype).itemsize < x.dtype.itemsize:
-    return _rounding.stochastic_round(x, dtype, key)
+    assert seed is not None  # only init, which rounds to nearest, has no seeds
+    return _rounding.stochastic_round_seeded(x, dtype, seed)
   return x.astype(dtype)
 
 
@@ -277,7 +285,7 @@ class _Stepped(NamedTuple):
   inexact: jax.Array
 
 
-def _step(p: Any, value: Any, update: Any, method: str, key: jax.Array) -> _Stepped:
+def _step(p: Any, value: Any, update: Any, method: str, seed: jax.Array) -> _Stepped:
   """One parameter's step: its 16-bit value, the update that reaches it, what is kept."""
   zero = jnp.zeros((), jnp.int32)
   if not _is_low(p):
@@ -286,13 +294,16 @@ def _step(p: Any, value: Any, update: Any, method: str, key: jax.Array) -> _Step
   if method == "split":
     chosen, _ = _rounding.split_float32(target)
   else:
-    chosen = _round(target, p.dtype, key, method)
+    chosen = _round(target, p.dtype, seed, method)
   wide = p.astype(jnp.float32)
   step = chosen.astype(jnp.float32) - wide
   # What optax.apply_updates will store. It is `chosen` unless fp32 cannot express the step (a
   # value shrinking over 2^16-fold); what is kept is then computed from the value stored.
   stored = (wide + step).astype(p.dtype)
-  rounded_away = jnp.sum((stored == p) & (update != 0), dtype=jnp.int32)
+  # `chosen == p` exactly when `stored == p` (a step between two different values is never
+  # lost whole), and it is known before the parameter's buffer is overwritten: comparing with
+  # `stored` would make XLA keep a copy of every donated parameter.
+  rounded_away = jnp.sum((chosen == p) & (update != 0), dtype=jnp.int32)
   kept, inexact = None, zero
   if method == "kahan":
     kept = (target - stored.astype(jnp.float32)).astype(p.dtype)

@@ -66,24 +66,35 @@ def stochastic_round(x: jax.Array, dtype: jnp.dtype, key: jax.Array) -> jax.Arra
     lambda d: d.itemsize < x.dtype.itemsize,
     f"a floating format narrower than x's {x.dtype.name}",
   )
+  return stochastic_round_seeded(x, dtype, jax.random.bits(key, (), jnp.uint32))
+
+
+def stochastic_round_seeded(x: jax.Array, dtype: jnp.dtype, seed: jax.Array) -> jax.Array:
+  """:func:`stochastic_round` with its noise from a uint32 ``seed`` instead of a key.
+
+  One JAX draw gives the seeds of many arrays at once: on CPU every Threefry call is a loop of
+  its own, and a draw per array of an optimizer state cost several percent of a training step.
+  """
   nearest = x.astype(dtype)
+  bits = _counter_hash(seed, x.shape)
   if x.dtype == jnp.float32 and dtype == jnp.bfloat16:
-    return _stochastic_round_bf16(x, nearest, key)
+    return _stochastic_round_bf16(x, nearest, bits)
   wide = nearest.astype(x.dtype)
   toward = jnp.where(x > wide, jnp.inf, -jnp.inf).astype(dtype)
   other = jnp.nextafter(nearest, toward)
   # |x - wide| is at most half of |gap|, so P(other) is in [0, 1/2]; both differences are exact
   # in x's format. Beyond the largest finite value the gap is inf and P(other) is 0.
   p_other = (x - wide) / (other.astype(x.dtype) - wide)
-  noise = jax.random.uniform(key, x.shape, x.dtype)
+  # Uniform on [0, 1) in steps of 2^-23, in fp32 at least (fp16 cannot count to 2^23).
+  noise = (bits >> 9).astype(jnp.promote_types(x.dtype, jnp.float32)) * 2.0**-23
   return jnp.where(noise < p_other, other, nearest)
 
 
-def _stochastic_round_bf16(x: jax.Array, nearest: jax.Array, key: jax.Array) -> jax.Array:
+def _stochastic_round_bf16(x: jax.Array, nearest: jax.Array, noise: jax.Array) -> jax.Array:
   """fp32 to bf16 on the bits: adding 16 random bits to the 16 that bf16 drops, then dropping
   them, rounds the magnitude up with probability exactly (dropped bits) / 2^16."""
   bits = lax.bitcast_convert_type(x, jnp.uint32)
-  high = ((bits + (_counter_hash(key, x.shape) >> 16)) >> 16).astype(jnp.uint16)
+  high = ((bits + (noise >> 16)) >> 16).astype(jnp.uint16)
   rounded = lax.bitcast_convert_type(high, jnp.bfloat16)
   # NaN stays NaN (its bits could carry into the sign), and noise never turns a finite value
   # into inf: both take round-to-nearest's result.
@@ -91,15 +102,14 @@ def _stochastic_round_bf16(x: jax.Array, nearest: jax.Array, key: jax.Array) -> 
   return jnp.where(keep, nearest, rounded)
 
 
-def _counter_hash(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """32 random bits per element: a seed drawn from ``key`` mixed with the element's index.
+def _counter_hash(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """32 random bits per element: a uint32 ``seed`` mixed with the element's index.
 
-  One JAX draw per array, then a few integer operations per element (the finalizer of
-  MurmurHash3 over ``index * golden ratio + seed``): on CPU, Threefry bits for every element
-  cost more than the rest of an optimizer step. The index is the element's position in the
-  whole array, so the bits do not depend on how the array is sharded.
+  A few integer operations per element (the finalizer of MurmurHash3 over
+  ``index * golden ratio + seed``): on CPU, Threefry bits for every element cost more than
+  the rest of an optimizer step. The index is the element's position in the whole array, so
+  the bits do not depend on how the array is sharded.
   """
-  seed = jax.random.bits(key, (), jnp.uint32)
   h = jnp.zeros(shape, jnp.uint32)  # the row-major index, built per axis so it shards as x does
   stride = 1
   for axis in reversed(range(len(shape))):

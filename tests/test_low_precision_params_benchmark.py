@@ -93,12 +93,21 @@ def test_bytes_per_parameter_are_counted_exactly(result):
 def test_step_time_ratios(result):
   timing = result["timing"]
   assert timing["fp32_master_ms"] > 0
-  timed = {k: v for k, v in timing.items() if k not in ("fp32_master_ms", "overhead_target")}
+  assert timing["step_compiler_options"] == {
+    "xla_backend_optimization_level": 0,  # the quick preset's
+    "xla_cpu_copy_insertion_use_region_analysis": True,
+  }
+  timed = {k: v for k, v in timing.items() if isinstance(v, dict) and "median_ms" in v}
   assert set(timed) == {"fp32_master", "nearest"}  # --quick times one method
-  assert timed["fp32_master"]["ratio_vs_fp32_master"] == 1.0
-  for v in timed.values():
+  # Each also compiled with XLA's defaults, and compared with fp32-master compiled so.
+  for v in (*timed.values(), *(v["xla_defaults"] for v in timed.values())):
     assert v["median_ms"] > 0 and v["ratio_vs_fp32_master"] > 0
     assert v["cpu_ratio_vs_fp32_master"] > 0
+  assert timed["fp32_master"]["ratio_vs_fp32_master"] == 1.0
+  assert timed["fp32_master"]["xla_defaults"]["ratio_vs_fp32_master"] == 1.0
+  assert timing["overhead_target"]["worst_ratio_xla_defaults"] == max(
+    v["xla_defaults"]["ratio_vs_fp32_master"] for v in timed.values()
+  )
   updates = result["update_timing"]
   assert updates.keys() == timed.keys() and updates["fp32_master"]["ratio_vs_fp32_master"] == 1.0
   assert all(v["median_ms"] > 0 and v["ratio_vs_fp32_master"] > 0 for v in updates.values())

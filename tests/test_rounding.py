@@ -81,6 +81,15 @@ def test_stochastic_round_is_unbiased_and_representable_values_stay(values, seed
   assert bool(jnp.all(jnp.where(exact, y == x, True)))
 
 
+def test_stochastic_round_from_fp16_to_fp8_picks_a_neighbour_with_the_right_probability():
+  # From fp16 the noise is still 23 bits (fp16 itself cannot hold them): a quarter of the way
+  # from 1 to e5m2's next value, 1.25, rounds up a quarter of the time.
+  x = jnp.full((40_000,), 1.0625, jnp.float16)
+  y = jl.stochastic_round(x, jnp.float8_e5m2, jax.random.key(0)).astype(jnp.float32)
+  assert set(np.unique(np.asarray(y)).tolist()) == {1.0, 1.25}
+  assert abs(float(jnp.mean(y == 1.25)) - 0.25) < 0.009
+
+
 def test_stochastic_round_keeps_special_values_and_never_overflows_by_noise():
   x = jnp.asarray([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0, 65504.0, 65519.0, 7e4], jnp.float32)
   for seed in range(20):
@@ -112,11 +121,11 @@ def test_stochastic_round_rejects_bad_input():
 
 
 def test_counter_hash_bits_are_uniform_and_independent_of_the_layout():
-  key = jax.random.key(3)
-  bits = np.asarray(_rounding._counter_hash(key, (256, 256)))
+  seed = jax.random.bits(jax.random.key(3), (), jnp.uint32)
+  bits = np.asarray(_rounding._counter_hash(seed, (256, 256)))
   # Built per axis: the same bits as the flat array's, so a sharded array draws what a whole one
   # does.
-  np.testing.assert_array_equal(bits.ravel(), np.asarray(_rounding._counter_hash(key, (65536,))))
+  np.testing.assert_array_equal(bits.ravel(), np.asarray(_rounding._counter_hash(seed, (65536,))))
   for top in (bits >> 28, (bits >> 16) & 0xF):  # the bits stochastic rounding uses
     counts = np.bincount(top.ravel(), minlength=16)
     assert np.all(np.abs(counts - 4096) < 5 * np.sqrt(4096 * 15 / 16)), counts
