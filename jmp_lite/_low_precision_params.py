@@ -119,6 +119,9 @@ def low_precision_params(
     (inside :func:`jmp_lite.loss_scaling`, which passes fp32 gradients): a
     transformation after it would change updates it has already rounded.
 
+  On CPU, compile a step that donates this state with XLA's region-analysis copy
+  insertion (docs/low-precision-params.md, "Step time").
+
   Example::
 
     params = jl.cast_to_half(params)  # bf16
@@ -164,11 +167,8 @@ def low_precision_params(
     updates, inner_state = inner.update(
       jax.tree.map(_wide, grads), inner_state, values, **extra_args
     )
-    # One draw per step seeds every array's rounding: a Threefry call per array would be a
-    # loop per array on CPU. Unused (and compiled away) unless the method is stochastic.
     n_params = len(jax.tree.leaves(params))
-    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key, impl=impl), state.steps)
-    seeds = jax.random.bits(step_key, (n_params + len(jax.tree.leaves(inner_state)),), jnp.uint32)
+    seeds = _seeds(state, impl, n_params + len(jax.tree.leaves(inner_state)))
     updates, residual, lost, inexact = _step_all(params, values, updates, method, seeds)
     return updates, LowPrecisionParamsState(
       inner_state=_store(inner_state, state_dtype, method, seeds[n_params:]),
@@ -180,6 +180,13 @@ def low_precision_params(
     )
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _seeds(state: LowPrecisionParamsState, impl: Any, n: int) -> jax.Array:
+  """``n`` uint32 seeds of the step's rounding, one per array, from one draw: XLA:CPU runs every
+  Threefry call as a loop. Compiled away unless the method is stochastic."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(state.key, impl=impl), state.steps)
+  return jax.random.bits(key, (n,), jnp.uint32)
 
 
 def _step_all(
