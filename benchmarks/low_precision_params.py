@@ -14,7 +14,7 @@ with ``--quick``), whose model, batches and loss are the example's own:
     examples' options (``examples.common.step_compiler_options``: on CPU, XLA's copy insertion
     with region analysis) and, on CPU, the methods also with XLA's defaults, which copy every
     donated array that the step reads twice (a 16-bit moment read for the update and again to
-    store its new value): 20-30% of a 16-bit-state step on two cores. Every step is the example's
+    store its new value): 15-35% of a 16-bit-state step on two cores. Every step is the example's
     (the model under ``jmp_lite.flax.policy_apply``, the example's cross-entropy and its AdamW
     chain: ``examples.common.make_optimizer``), on the example's batches in order (on one
     repeated batch the model memorizes it and the step time drifts). The fp32-master step runs

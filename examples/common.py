@@ -496,8 +496,8 @@ def step_compiler_options(fast_compile: bool = False) -> dict[str, Any] | None:
 
   On CPU, XLA's default copy insertion copies every donated array that a step reads in two
   places, e.g. a bf16 moment read as fp32 for the update and again to store its new value; on
-  two cores the copies cost a 16-bit-state step 20-30% (docs/low-precision-params.md, "Step
-  time on CPU"). Its region analysis proves the reads come first and copies nothing.
+  two cores the copies cost a 16-bit-state step 15-35% (docs/low-precision-params.md, "Step
+  time"). Its region analysis proves the reads come first and copies nothing.
   """
   options = dict(_FAST_COMPILE) if fast_compile else {}
   if jax.default_backend() == "cpu":
