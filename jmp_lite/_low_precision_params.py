@@ -303,7 +303,10 @@ def _step(p: Any, value: Any, update: Any, method: str, seed: jax.Array) -> _Ste
   else:
     chosen = _round(target, p.dtype, seed, method)
   wide = p.astype(jnp.float32)
-  step = chosen.astype(jnp.float32) - wide
+  # A value that stays takes a zero step (an infinite one must not get inf - inf = NaN), signed
+  # as chosen so that -0.0 and +0.0 are stored as chosen (but +0.0 + -0.0 is +0.0).
+  wide_chosen = chosen.astype(jnp.float32)
+  step = jnp.where(chosen == p, jnp.copysign(0.0, wide_chosen), wide_chosen - wide)
   # What optax.apply_updates will store. It is `chosen` unless fp32 cannot express the step (a
   # value shrinking over 2^16-fold); what is kept is then computed from the value stored.
   stored = (wide + step).astype(p.dtype)
@@ -313,13 +316,15 @@ def _step(p: Any, value: Any, update: Any, method: str, seed: jax.Array) -> _Ste
   rounded_away = jnp.sum((chosen == p) & (update != 0), dtype=jnp.int32)
   kept, inexact = None, zero
   if method == "kahan":
-    kept = (target - stored.astype(jnp.float32)).astype(p.dtype)
+    # An infinite value stored keeps no compensation (inf - inf would make it NaN).
+    kept = jnp.where(jnp.isinf(stored), 0.0, target - stored.astype(jnp.float32)).astype(p.dtype)
   elif method == "split":
     high = jax.lax.bitcast_convert_type(stored, jnp.int16).astype(jnp.int32) << 16
     rest = jax.lax.bitcast_convert_type(target, jnp.int32) - high
     info = np.iinfo(np.int16)
     out_of_range = (rest < info.min) | (rest > info.max)
-    inexact = jnp.sum(out_of_range, dtype=jnp.int32)
+    # (A zero stored with the other sign is out of range too, but the same value.)
+    inexact = jnp.sum(out_of_range & (target != stored), dtype=jnp.int32)
     # An inexpressible rest keeps the value stored: a clipped one could rebuild a NaN (-0.0).
     kept = jnp.where(out_of_range, 0, rest).astype(jnp.int16)
   return _Stepped(step, kept, rounded_away, inexact)
