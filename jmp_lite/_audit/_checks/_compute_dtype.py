@@ -55,9 +55,9 @@ def _widening_cast(site: Site, atom: Any) -> Any | None:
     eqn = site.graph.producer.get(a)
     if eqn is None:
       continue
-    src = _jaxpr.dtype_of(eqn.invars[0]) if eqn.invars else None
-    if eqn.primitive.name == "convert_element_type" and src is not None and not _wide(src):
-      if jnp.issubdtype(src, jnp.floating):
+    if eqn.primitive.name == "convert_element_type":
+      src = _jaxpr.dtype_of(eqn.invars[0])
+      if src is not None and jnp.issubdtype(src, jnp.floating) and not _wide(src):
         return eqn
     todo.extend(eqn.invars)
   return None
@@ -90,29 +90,25 @@ def _origin_of_operand(site: Site, atom: Any) -> str:
   return f"{made}, computed from a value {how}"
 
 
-def _what(site: Site, compute: ComputePolicy) -> str | None:
+def _what(site: Site, compute: ComputePolicy, wide: list[str]) -> str:
   """What runs wide, naming the float32 operand that widened a mixed matmul."""
   eqn = site.eqn
-  lhs, rhs = eqn.invars[:2]
-  sides = [("lhs", lhs, _jaxpr.dtype_of(lhs)), ("rhs", rhs, _jaxpr.dtype_of(rhs))]
-  wide = [(side, atom, d) for side, atom, d in sides if _wide(d)]
+  operands = dict(zip(("lhs", "rhs"), eqn.invars[:2], strict=True))
   c, prim = compute.dtype.name, eqn.primitive.name
-  if not wide:
-    return None
+  dtype = _jaxpr.dtype_of(operands[wide[0]]).name
   if len(wide) == 2:
-    name = wide[0][2].name
     return (
-      f"{prim} with {name} operands while the compute dtype is {c}: this matmul runs in "
-      f"{name}, at a fraction of the throughput of {c} units."
+      f"{prim} with {dtype} operands while the compute dtype is {c}: this matmul runs in "
+      f"{dtype}, at a fraction of the throughput of {c} units."
     )
-  side, atom, dtype = wide[0]
-  other = next(d for s, _, d in sides if s != side)
+  (side,) = wide
+  other = _jaxpr.dtype_of(operands["rhs" if side == "lhs" else "lhs"])
   other_name = other.name if other is not None else "other"
   return (
-    f"{prim} of a {dtype.name} {side} ({_jaxpr.aval_str(atom)}) and a {other_name} operand "
-    f"while the compute dtype is {c}: JAX promotes the {other_name} operand, so this matmul "
-    f"runs in {dtype.name}, at a fraction of the throughput of {c} units. The {side} "
-    f"{_origin_of_operand(site, atom)}."
+    f"{prim} of a {dtype} {side} ({_jaxpr.aval_str(operands[side])}) and a {other_name} "
+    f"operand while the compute dtype is {c}: JAX promotes the {other_name} operand, so this "
+    f"matmul runs in {dtype}, at a fraction of the throughput of {c} units. The {side} "
+    f"{_origin_of_operand(site, operands[side])}."
   )
 
 
@@ -163,12 +159,12 @@ def fp32_matmul(site: Site) -> Hit | None:
   compute = site.audit.compute_at(site.origin)
   if compute is None:
     return None
-  what = _what(site, compute)
-  if what is None:
+  lhs, rhs = site.eqn.invars[:2]
+  wide = [side for side, a in (("lhs", lhs), ("rhs", rhs)) if _wide(_jaxpr.dtype_of(a))]
+  if not wide:
     return None
-  mixed = sum(_wide(_jaxpr.dtype_of(a)) for a in site.eqn.invars[:2]) == 1
   return Hit(
     compute.dtype,
-    f"{what} {_fix(site, compute, mixed)}",
+    f"{_what(site, compute, wide)} {_fix(site, compute, mixed=len(wide) == 1)}",
     size=_graph.contraction_size(site.eqn),
   )
