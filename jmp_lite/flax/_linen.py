@@ -38,6 +38,7 @@ from flax import nnx, traverse_util
 from flax.core import FrozenDict, meta
 
 from jmp_lite._policy import Policy, cast_floating
+from jmp_lite._policy_scope import policy_scope
 from jmp_lite.flax._module_call import (
   CallRecord,
   cast_call,
@@ -264,7 +265,11 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
         f"variables must be a mapping of collections such as {{'params': ...}}, got "
         f"{type(variables).__name__}."
       )
-    run = lambda v: module.apply(v, *args, **kwargs)
+
+    def run(v):
+      with policy_scope(policies.policy):  # marks the model's equations for jl.audit
+        return module.apply(v, *args, **kwargs)
+
     found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
     params = variables.get(_PARAMS)
     if params is None:  # nothing to cast (e.g. a parameter-free model)

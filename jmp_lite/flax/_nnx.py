@@ -49,6 +49,7 @@ from flax.nnx.graph import is_graph_node
 
 from jmp_lite._context import Ambient
 from jmp_lite._policy import Policy, cast_floating
+from jmp_lite._policy_scope import policy_scope
 from jmp_lite._tree_util import is_array, split_leaves
 from jmp_lite.flax._module_call import (
   CallRecord,
@@ -90,6 +91,8 @@ class PolicyModule(nnx.Module):
     recompute: run its calls under :func:`jax.checkpoint`, the input cast
       inside, so that the backward pass keeps only the narrow inputs.
     path: its path in the model (to find the model's output layers).
+    policy: the view's policy, on the view's root: its calls run in a policy
+      scope, which marks the model's equations for ``jl.audit``.
   """
 
   def __init__(
@@ -99,14 +102,20 @@ class PolicyModule(nnx.Module):
     output_dtype: np.dtype,
     recompute: bool = False,
     path: tuple = (),
+    policy: Policy | None = None,
   ):
     self.module = module
     self._compute_dtype = np.dtype(compute_dtype)
     self._output_dtype = np.dtype(output_dtype)
     self._recompute = bool(recompute)
     self._path = tuple(path)
+    self._policy = policy
 
   def _cast_call(self, fn, *args, **kwargs):
+    with policy_scope(self._policy):
+      return self._cast_call_unmarked(fn, *args, **kwargs)
+
+  def _cast_call_unmarked(self, fn, *args, **kwargs):
     return cast_call(
       fn,
       args,
@@ -293,7 +302,10 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
       for name, value in policies.attribute_updates(node, r).items():
         setattr(node, name, value)  # node belongs to the view, not to the model
       output = r.root_output_dtype if not path else r.output_dtype
-      wrappers[tuple(path)] = PolicyModule(node, r.compute_dtype, output, r.recompute, path)
+      root_policy = None if path else policies.policy
+      wrappers[tuple(path)] = PolicyModule(
+        node, r.compute_dtype, output, r.recompute, path, root_policy
+      )
       return wrappers[tuple(path)]
     return node
 
