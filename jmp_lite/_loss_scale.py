@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
@@ -330,7 +331,8 @@ class DynamicLossScale(_UniformScale):
     counter: consecutive finite steps so far, in ``[0, period)``.
     period: finite steps between growths, >= 1.
     factor: growth and back-off factor, > 1 (2 keeps powers of two exact).
-    min_loss_scale: the scale never goes below this.
+    min_loss_scale: the scale never goes below this, a number >= 0 (0, which
+      jmp accepts, warns: the scale can then reach 0 and stay there).
     max_loss_scale: the scale never grows above this (default: no bound but
       finiteness in the scale's dtype).
     hysteresis: back off only after this many consecutive non-finite steps
@@ -364,7 +366,20 @@ class DynamicLossScale(_UniformScale):
     factor = _validation.as_real(self.factor, "factor", "a real number > 1")
     if not (math.isfinite(factor) and factor > 1):
       raise ValueError(f"factor must be finite and > 1, got {self.factor}.")
-    low = _validation.as_bound(self.min_loss_scale, "min_loss_scale", scale.dtype)
+    low = _validation.as_bound(
+      self.min_loss_scale, "min_loss_scale", scale.dtype, allow_zero=True, warn_integer=True
+    )
+    if low == 0:
+      # jmp accepts a zero floor, so code written for it must keep running; the collapse it
+      # allows is silent in training, so say it here.
+      warnings.warn(
+        "min_loss_scale=0: a run of non-finite steps can divide the loss scale down to 0 "
+        "(it underflows), and at 0 every unscaled gradient is 0 * (1/0) = NaN, so every later "
+        "step is skipped and the scale never recovers. Pass a positive floor (the default is "
+        "1.0) to prevent this.",
+        UserWarning,
+        stacklevel=3,  # __post_init__ <- __init__ <- the caller
+      )
     set_("min_loss_scale", low)
     if self.max_loss_scale is not None:
       high = _validation.as_bound(self.max_loss_scale, "max_loss_scale", scale.dtype)
