@@ -37,6 +37,11 @@ from flax import nnx, traverse_util
 from flax.core import FrozenDict, meta
 
 from jmp_lite._policy import Policy, cast_floating
+from jmp_lite.flax._explicit_dtypes import (
+  ExplicitDtype,
+  explicit_dtype_entry,
+  warn_explicit_dtypes,
+)
 from jmp_lite.flax._module_call import (
   CallCounter,
   CallKey,
@@ -51,7 +56,6 @@ from jmp_lite.flax._module_policy import (
   ModulePrecision,
   as_module_policies,
   explicit_dtype,
-  warn_explicit_dtypes,
 )
 
 _PARAMS = "params"
@@ -78,13 +82,13 @@ class _Interceptor:
     self,
     policies: ModulePolicies,
     owners: dict[tuple, np.dtype] | None,
-    found: dict[str, tuple[str, np.dtype, np.dtype]] | None = None,
+    found: dict[str, ExplicitDtype] | None = None,
     wide_calls: frozenset[CallKey] = frozenset(),
   ):
     self.policies = policies
     # While discovering: the compute dtype each module (scope path) reads its params in.
     self.owners = owners
-    # Modules whose own dtype= differs from the policy's: path -> (class, dtype, policy dtype).
+    # Modules whose own dtype= differs from the policy's, by path.
     self.found = found
     # The calls whose output is the model's output (found while discovering): they
     # return the policy's output dtype, and a matmul among them produces it directly.
@@ -101,11 +105,9 @@ class _Interceptor:
     )
     if self.owners is not None:
       self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
-    if self.found is not None and resolved.explicit_dtype is not None:
-      self.found.setdefault(
-        "/".join(module.path),
-        (type(module).__name__, resolved.explicit_dtype, resolved.policy_dtype),
-      )
+    name = "/".join(module.path)
+    if self.found is not None and resolved.explicit_dtype is not None and name not in self.found:
+      self.found[name] = explicit_dtype_entry(module, resolved)
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
     call = self.counter.key(tuple(module.path), context.method_name)
@@ -250,7 +252,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
         f"{type(variables).__name__}."
       )
     run = lambda v: module.apply(v, *args, **kwargs)
-    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
+    found: dict[str, ExplicitDtype] = {}
     params = variables.get(_PARAMS)
     if params is None:  # nothing to cast (e.g. a parameter-free model)
       with nn.intercept_methods(_Interceptor(policies, None, found)):
@@ -336,7 +338,7 @@ def policy_init(
   policies = as_module_policies(policy, options, "policy_init")
 
   def init_fn(rngs: Any, *args: Any, **kwargs: Any) -> Any:
-    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
+    found: dict[str, ExplicitDtype] = {}
     with nn.intercept_methods(_Interceptor(policies, None, found)):
       variables = module.init(rngs, *args, **kwargs)
     warn_explicit_dtypes(policies, found, "policy_init", stacklevel=2)

@@ -75,19 +75,19 @@ class CallKey(NamedTuple):
   Attributes:
     path: the module's path in the model.
     method: the method called (``"__call__"``, ``"attend"``...).
-    index: how many calls of that method of that module came before it in
+    number: how many calls of that method of that module came before it in
       the run.
   """
 
   path: tuple
   method: str
-  index: int
+  number: int
 
 
 class CallCounter:
   """Numbers the module calls of one run of a model (:class:`CallKey`)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._seen: collections.Counter[tuple[tuple, str]] = collections.Counter()
 
   def key(self, path: tuple, method: str) -> CallKey:
@@ -98,12 +98,12 @@ class CallCounter:
       method: the method's name.
 
     Returns:
-      Its :class:`CallKey`; the next call of the same method gets the next index.
+      Its :class:`CallKey`; the next call of the same method gets the next number.
     """
     name = (tuple(path), method)
-    index = self._seen[name]
-    self._seen[name] = index + 1
-    return CallKey(name[0], method, index)
+    number = self._seen[name]
+    self._seen[name] = number + 1
+    return CallKey(name[0], method, number)
 
 
 class CallRecord(NamedTuple):

@@ -50,6 +50,11 @@ from flax.nnx.graph import is_graph_node
 from jmp_lite._context import Ambient
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._tree_util import is_array, split_leaves
+from jmp_lite.flax._explicit_dtypes import (
+  ExplicitDtype,
+  explicit_dtype_entry,
+  warn_explicit_dtypes,
+)
 from jmp_lite.flax._module_call import (
   CallCounter,
   CallKey,
@@ -64,7 +69,6 @@ from jmp_lite.flax._module_policy import (
   ModulePrecision,
   as_module_policies,
   explicit_dtype,
-  warn_explicit_dtypes,
 )
 
 M = TypeVar("M", bound=nnx.Module)
@@ -292,11 +296,11 @@ def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any)
   return view
 
 
-def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
+def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict[str, ExplicitDtype]]:
   """The view, and the modules whose own dtype differs from the policy's, by path."""
   resolved = _resolve_modules(model, policies)
   found = {
-    "/".join(map(str, path)): (type(module).__name__, r.explicit_dtype, r.policy_dtype)
+    "/".join(map(str, path)): explicit_dtype_entry(module, r)
     for path, module in nnx.iter_modules(model)
     if (r := resolved.get(tuple(path))) is not None and r.explicit_dtype is not None
   }
