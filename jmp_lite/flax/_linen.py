@@ -105,9 +105,10 @@ class _Interceptor:
     )
     if self.owners is not None:
       self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
-    name = "/".join(module.path)
-    if self.found is not None and resolved.explicit_dtype is not None and name not in self.found:
-      self.found[name] = explicit_dtype_entry(module, resolved)
+    if self.found is not None and resolved.explicit_dtype is not None:
+      name = "/".join(module.path)
+      if name not in self.found:
+        self.found[name] = explicit_dtype_entry(module, resolved)
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
     call = self.counter.key(tuple(module.path), context.method_name)

@@ -195,13 +195,13 @@ class PolicyModule(nnx.Module):
     with _DISCOVERY.scope(calls):
       nnx.eval_shape(call, self, traced)
     chain = output_chain(calls)
-    for path in {call.path for call in chain}:
+    for path in {key.path for key in chain}:
       wrapper, r = wrappers[path], resolved[path]
       updates = policies.attribute_updates(wrapper.module, r, wide_output=True)
       # Static attributes of the view's own objects. The first call may be
       # inside a transform (vmap, scan) below the trace the view was built at,
       # where NNX refuses setattr; nothing traced is stored.
-      wide = frozenset(call for call in chain if call.path == path)
+      wide = frozenset(key for key in chain if key.path == path)
       object.__setattr__(wrapper, "_wide_calls", wide)
       object.__setattr__(wrapper, "_wide_output_dtype", np.dtype(r.root_output_dtype))
       object.__setattr__(wrapper, "_wide_attributes", tuple(updates.items()))

@@ -261,13 +261,15 @@ def test_linen_tied_embedding_lookup_in_compute_dtype_and_logits_fp32(scanned):
       {"params": params}, toks, capture_intermediates=_embed_calls, mutable=["intermediates"]
     )
     return (
+      (params, jlf.policy_init(model, POLICY)(key, toks)["params"]),
       logits,
       captured["intermediates"],
       model.apply({"params": params}, toks),
       [jax.value_and_grad(loss)(params) for loss in losses],
     )
 
-  logits, captured, ref_logits, results = run(jax.random.key(0))
+  (want, got), logits, captured, ref_logits, results = run(jax.random.key(0))
+  jax.tree.map(np.testing.assert_array_equal, got, want)  # policy_init: Flax's parameters
   (lookup,), (head,) = captured["embed"]["__call__"], captured["embed"]["attend"]
   assert lookup.dtype == BF16 and lookup.shape == (BATCH, LENGTH, WIDTH)
   np.testing.assert_array_equal(head, logits)  # the attend call returned the logits
