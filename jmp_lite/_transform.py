@@ -149,39 +149,21 @@ def loss_scaling(
 
   Put ``loss_scaling`` outermost (or first in a chain): transformations before
   it would see scaled gradients, and those after it see zero updates on a
-  skipped step but still advance their own state.
+  skipped step but still advance their own state. Apply it once: an ``inner``
+  that applies it already (``loss_scaling(...)`` itself, refused here; a chain
+  or ``MultiSteps`` containing one, refused by ``init``) would unscale the
+  gradients twice. Each ``init`` copies ``loss_scale``'s arrays, so a step that
+  donates one state leaves every later ``init`` its own.
+
+  Raises:
+    TypeError: for an ``inner`` that is no Optax transformation, or a
+      ``loss_scale`` that is no :class:`LossScale`.
+    ValueError: for an ``inner`` that applies loss scaling already.
   """
-  if isinstance(inner, optax.MultiSteps):
-    inner = inner.gradient_transformation()
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(
-      "inner must be an optax.GradientTransformation (or optax.MultiSteps), got "
-      f"{type(inner).__name__}."
-    )
-  if not _is_loss_scale(loss_scale):
-    raise TypeError(
-      "loss_scale must be a jmp_lite.LossScale (NoOpLossScale, StaticLossScale, "
-      f"DynamicLossScale, LayerwiseLossScale), got {type(loss_scale).__name__}."
-    )
-  if isinstance(inner, _LossScaling):
-    raise ValueError(
-      nested_loss_scaling_message(
-        "jl.loss_scaling was given inner=jl.loss_scaling(...), which already applies it", 2
-      )
-    )
-  inner = optax.with_extra_args_support(inner)
+  inner = _checked_arguments(inner, loss_scale)
 
   def init(params):
-    inner_state = inner.init(params)
-    nested = len(loss_scaling_states(inner_state))
-    if nested:
-      raise ValueError(
-        nested_loss_scaling_message(
-          f"jl.loss_scaling's inner optimizer already applies loss scaling (its state holds "
-          f"{nested} LossScalingState)",
-          nested + 1,
-        )
-      )
+    inner_state = _refuse_nested(inner.init(params))
     # Buffers of its own in every field: a train step may donate its state, and the loss
     # scale given here is the initial state of every later init.
     return LossScalingState(
@@ -214,6 +196,43 @@ def loss_scaling(
     )
 
   return _LossScaling(init, update)
+
+
+def _checked_arguments(inner: Any, loss_scale: Any) -> optax.GradientTransformationExtraArgs:
+  """``inner`` as a transformation taking extra arguments, once the arguments are checked."""
+  if isinstance(inner, optax.MultiSteps):
+    inner = inner.gradient_transformation()
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      "inner must be an optax.GradientTransformation (or optax.MultiSteps), got "
+      f"{type(inner).__name__}."
+    )
+  if not _is_loss_scale(loss_scale):
+    raise TypeError(
+      "loss_scale must be a jmp_lite.LossScale (NoOpLossScale, StaticLossScale, "
+      f"DynamicLossScale, LayerwiseLossScale), got {type(loss_scale).__name__}."
+    )
+  if isinstance(inner, _LossScaling):
+    raise ValueError(
+      nested_loss_scaling_message(
+        "jl.loss_scaling was given inner=jl.loss_scaling(...), which already applies it", 2
+      )
+    )
+  return optax.with_extra_args_support(inner)
+
+
+def _refuse_nested(inner_state: Any) -> Any:
+  """``inner_state``, if it holds no loss scaling state of its own (a chain, ``MultiSteps``)."""
+  nested = len(loss_scaling_states(inner_state))
+  if nested:
+    raise ValueError(
+      nested_loss_scaling_message(
+        "jl.loss_scaling's inner optimizer already applies loss scaling (its state holds "
+        f"{nested} LossScalingState)",
+        nested + 1,
+      )
+    )
+  return inner_state
 
 
 def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
