@@ -29,10 +29,12 @@ from jmp_lite._transform import LossScalingState, loss_scaling_states
 
 @dataclasses.dataclass(eq=False)
 class _Recorder:
-  """Host-side record of one run: squared norms of the true gradients."""
+  """Host-side record of one run: squared norms of the true gradients, steps returned."""
 
   from_value_and_grad: list[float] = dataclasses.field(default_factory=list)
   at_update: list[float] = dataclasses.field(default_factory=list)
+  # The `steps` counter of each loss scaling state among the step's outputs.
+  returned_steps: list[int] = dataclasses.field(default_factory=list)
 
   def record(self, where: str):
     def callback(sq_norm):
@@ -131,8 +133,8 @@ def _check_factor(factor: Any) -> None:
     raise ValueError(f"factor must be a power of two below 1, got {factor!r}.")
 
 
-def _the_loss_scale(args: tuple, kwargs: dict) -> LossScale:
-  """The loss scale of the one loss scaling state among the step's arguments."""
+def _the_loss_scale(args: tuple, kwargs: dict) -> tuple[LossScale, int]:
+  """The loss scale and ``steps`` of the one loss scaling state among the step's arguments."""
   found = loss_scaling_states((args, kwargs))
   if len(found) != 1:
     nested = sum(len(loss_scaling_states(x.inner_state)) for x in found)
@@ -145,7 +147,7 @@ def _the_loss_scale(args: tuple, kwargs: dict) -> LossScale:
   loss_scale = found[0].loss_scale
   if not isinstance(loss_scale, LossScale):
     raise TypeError(f"The loss scaling state holds {type(loss_scale).__name__}, not a LossScale.")
-  return loss_scale
+  return loss_scale, int(found[0].steps)
 
 
 def _probe_run(
@@ -164,8 +166,9 @@ def _probe_run(
     return x
 
   probe_args, probe_kwargs = jax.tree.map(probe, (args, kwargs), is_leaf=_is_state)
-  jax.block_until_ready(step(*probe_args, **probe_kwargs))
+  out = jax.block_until_ready(step(*probe_args, **probe_kwargs))
   jax.effects_barrier()
+  recorder.returned_steps = [int(x.steps) for x in loss_scaling_states(out)]
   if not recorder.at_update:
     raise ValueError(
       "The step never called loss_scaling's update with the loss scaling state it was given."
@@ -232,6 +235,21 @@ def _update_norms(first: _Recorder, second: _Recorder) -> tuple[float, float]:
   return n1, n2
 
 
+def _check_returned_state(run: _Recorder, steps_before: int) -> None:
+  """Refuses a step that returns the loss scaling state it was given instead of the new one.
+
+  Only a step that returns exactly one state is checked (an NNX step updates
+  its optimizer in place and returns none).
+  """
+  if run.returned_steps == [steps_before]:
+    raise ValueError(
+      "The step returns the loss scaling state it was given, not the one loss_scaling's update "
+      f"returned (its steps counter stayed at {steps_before}): the loss scale never adjusts "
+      "and skipped steps are not counted. Return the opt_state that tx.update returned (or "
+      "the state from state.apply_gradients)."
+    )
+
+
 def _diagnosis(first: _Recorder, n1: float, ratio: float, factor: float) -> str:
   """What is wrong with a step whose gradients changed by ``ratio`` instead of ``factor``."""
   if first.from_value_and_grad:
@@ -294,6 +312,10 @@ def check_loss_scaling(
   scaled and unscaled gradients coincide at a scale of 1, so the step trains
   as it should; it would not with any other loss scale.
 
+  A step that returns a loss scaling state must return the one ``update``
+  gave it (its ``steps`` counter advanced), or the scale would never adjust
+  and skips would go uncounted.
+
   Run it once on a small batch before training, e.g. in a test::
 
     jl.check_loss_scaling(train_step, params, opt_state, x, y)
@@ -307,7 +329,8 @@ def check_loss_scaling(
     **kwargs: its keyword arguments.
 
   Raises:
-    ValueError: naming the mistake and its fix, with the measured ratio; or
+    ValueError: naming the mistake and its fix, with the measured ratio (or
+      the state returned, when it is the one given); or
       when the check cannot run (no or several loss scaling states, one inside
       another counted, ``update`` never called, gradients not finite at any
       scale the loss scale reaches, or all zero).
@@ -318,8 +341,9 @@ def check_loss_scaling(
       would be wrong with any other loss scale.
   """
   _check_factor(factor)
-  loss_scale = _the_loss_scale(args, kwargs)
+  loss_scale, steps_before = _the_loss_scale(args, kwargs)
   first, loss_scale = _fitting_run(step, args, kwargs, loss_scale)
+  _check_returned_state(first, steps_before)
   second = _probe_run(step, args, kwargs, loss_scale, factor)
   n1, n2 = _update_norms(first, second)
   ratio = n2 / n1

@@ -192,6 +192,9 @@ def test_a_batch_that_overflows_at_the_starting_scale_is_checked_at_a_scale_that
   assert not bool(jl.all_finite(grads))  # the premise: the first step overflows
   jl.check_loss_scaling(make_step(tx, scaled), PARAMS, opt_state, X, Y_FAR)
   assert float(opt_state.loss_scale.loss_scale) == 2.0**15  # the caller's state is untouched
+  # Backed off by the scale's own rule: with a hysteresis too.
+  slow = jl.loss_scaling(optax.sgd(0.1), jl.DynamicLossScale(jnp.float32(2.0**15), hysteresis=2))
+  jl.check_loss_scaling(make_step(slow, scaled), PARAMS, slow.init(PARAMS), X, Y_FAR)
   # The mistakes are still found there.
   with pytest.raises(ValueError, match="gradients of the unscaled loss"):
     jl.check_loss_scaling(make_step(tx, unscaled), PARAMS, opt_state, X, Y_FAR)
@@ -211,3 +214,17 @@ def test_a_scale_that_cannot_go_lower_says_what_to_pass():
     tx = jl.loss_scaling(optax.sgd(0.1), loss_scale)
     with pytest.raises(ValueError, match=rf"not finite {tried}.*DynamicLossScale\(jnp"):
       jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), X, Y_FAR)
+
+
+def test_a_step_that_returns_the_state_it_was_given_is_reported():
+  tx = jl.loss_scaling(optax.sgd(0.1), SCALE)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    updates, _ = tx.update(scaled(params, opt_state, x, y), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state  # the new state dropped
+
+  with pytest.raises(ValueError, match=r"returns the loss scaling state it was given.*stayed at 0"):
+    jl.check_loss_scaling(step, PARAMS, tx.init(PARAMS), X, Y)
+  # The counters that did move (the step returns the new state): passes.
+  jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), X, Y)
