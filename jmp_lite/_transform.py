@@ -291,7 +291,8 @@ def scaled_value_and_grad(
   loss_scale: Any,
   *,
   has_aux: bool = False,
-  argnums: int | tuple[int, ...] = 0,
+  argnums: Any = None,
+  value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like :func:`jax.value_and_grad`, differentiating ``loss_scale * fun``.
 
@@ -300,12 +301,25 @@ def scaled_value_and_grad(
     loss_scale: a loss scale, or an optimizer state containing one (see
       :func:`get_loss_scale`).
     has_aux: as in :func:`jax.value_and_grad`.
-    argnums: as in :func:`jax.value_and_grad`.
+    argnums: as in :func:`jax.value_and_grad`, in the form ``value_and_grad``
+      takes; passed to it only when given (default: its own default, the
+      first argument).
+    value_and_grad: the differentiation transform (default
+      :func:`jax.value_and_grad`); ``eqx.filter_value_and_grad`` differentiates
+      the floating-point arrays of an Equinox module and leaves its other
+      leaves (functions, integers) alone.
 
   Returns:
     A function with ``fun``'s signature returning ``(value, scaled_grads)``:
     ``value`` is the *unscaled* loss (or ``(loss, aux)``); ``scaled_grads`` go
     straight into the :func:`loss_scaling` transformation's ``update``, which
     unscales them.
+
+  Raises:
+    TypeError: when a differentiated leaf is not a floating-point array
+      (``jax.value_and_grad`` of an Equinox module's functions or integers):
+      the error names each such leaf by its path.
   """
-  return get_loss_scale(loss_scale).value_and_grad(fun, has_aux=has_aux, argnums=argnums)
+  return get_loss_scale(loss_scale).value_and_grad(
+    fun, has_aux=has_aux, argnums=argnums, value_and_grad=value_and_grad
+  )
