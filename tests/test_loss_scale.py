@@ -555,7 +555,10 @@ def test_a_kind_written_by_a_user_plugs_into_loss_scaling():
   tx = jl.loss_scaling(optax.sgd(1.0), scale)
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
-  assert jl.get_loss_scale(state) is scale  # taken as it is: it has the contract's members
+  # Taken as it is (it has the contract's members), its arrays copied: a state owns its buffers.
+  initial = jl.get_loss_scale(state)
+  assert type(initial) is HalvingScale and float(initial.loss_scale) == 8.0
+  assert initial.loss_scale is not scale.loss_scale
   _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["w"]) * 3, state)(params)
   np.testing.assert_array_equal(grads["w"], [24.0, 24.0])
   updates, state = jax.jit(tx.update)(grads, state, params)

@@ -1,3 +1,4 @@
+import functools
 import os
 import pickle
 
@@ -457,6 +458,82 @@ def test_loss_scaling_argument_errors():
     jl.loss_scaling(optax.adam, jl.NoOpLossScale())
   with pytest.raises(TypeError, match="loss_scale must be"):
     jl.loss_scaling(optax.adam(1e-3), 2.0**15)
+
+
+# Loss scaling applied once -------------------------------------------------------------------
+
+
+def test_loss_scaling_of_a_loss_scaling_is_refused_at_construction():
+  scale = jl.DynamicLossScale(jnp.float32(2.0**15))
+  once = jl.loss_scaling(optax.sgd(0.5), scale)
+  with pytest.raises(ValueError, match=r"inner=jl.loss_scaling\(...\).* unscaled 2 times"):
+    jl.loss_scaling(once, scale)
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [
+    lambda once: optax.chain(optax.clip_by_global_norm(1.0), once),
+    lambda once: optax.MultiSteps(once, 2),
+    lambda once: optax.chain(optax.identity(), optax.MultiSteps(once, 2).gradient_transformation()),
+  ],
+  ids=["chain", "multisteps", "chain_of_multisteps"],
+)
+def test_loss_scaling_of_a_transformation_containing_one_is_refused_at_init(inner):
+  scale = jl.DynamicLossScale(jnp.float32(2.0**15))
+  tx = jl.loss_scaling(inner(jl.loss_scaling(optax.sgd(0.5), scale)), scale)
+  with pytest.raises(ValueError, match=r"already applies loss scaling \(its state holds 1 "):
+    tx.init({"w": jnp.ones(1)})
+  with pytest.raises(ValueError, match="already applies loss scaling"):
+    jax.eval_shape(tx.init, {"w": jnp.ones(1)})
+
+
+def test_a_nested_loss_scaling_state_is_counted():
+  tx = jl.loss_scaling(optax.sgd(0.5), jl.StaticLossScale(8.0))
+  state = tx.init({"w": jnp.zeros(1)})
+  nested = state._replace(inner_state=tx.init({"w": jnp.zeros(1)}))  # built by hand
+  with pytest.raises(ValueError, match=r"Found 2 loss_scaling states.*more than once"):
+    jl.get_loss_scaling_state(nested)
+  with pytest.raises(ValueError, match="Found 2 loss_scaling states"):
+    jl.get_loss_scale((optax.EmptyState(), nested))
+  assert jl.get_loss_scaling_state(state) is state
+
+
+# A donated step ------------------------------------------------------------------------------
+
+
+def _staged_loss(params):
+  h = jl.stage_boundary(jnp.tanh(params["w"] * 2.0), 0)
+  return jnp.sum((h + params["b"]) ** 2)
+
+
+# Every kind of loss scale, built once and given to loss_scaling: each init is a fresh state.
+DONATED_SCALES = {
+  "static": lambda: jl.StaticLossScale(jnp.float32(2.0**8)),
+  "dynamic": lambda: jl.DynamicLossScale(jnp.float32(2.0**8), period=1),
+  "layerwise": lambda: jl.LayerwiseLossScale({"w": 0, "b": 1}, initial_scale=2.0**8),
+}
+
+
+@pytest.mark.parametrize("kind", DONATED_SCALES)
+def test_an_init_after_a_donated_step_has_buffers_of_its_own(kind):
+  loss_scale = DONATED_SCALES[kind]()
+  tx = jl.loss_scaling(optax.sgd(0.1), loss_scale)
+  params = lambda: {"w": jnp.asarray([0.5, -1.0]), "b": jnp.asarray([0.25, 0.5])}
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state):
+    _, grads = jl.scaled_value_and_grad(_staged_loss, opt_state)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  donated = tx.init(params())
+  first = step(params(), donated)
+  assert all(x.is_deleted() for x in jax.tree.leaves(donated.loss_scale))  # consumed
+  fresh = tx.init(params())  # a second run, or the target a checkpoint restores into
+  assert float(jl.get_loss_scale(fresh).loss_scale) == 2.0**8
+  assert float(loss_scale.loss_scale) == 2.0**8  # the object given is untouched
+  assert_bitwise_equal(step(params(), fresh), first)
 
 
 # ----------------------------------------------------------------------------------------------
