@@ -26,7 +26,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, Self, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -448,6 +448,20 @@ class DynamicLossScale(_UniformScale):
     )
 
 
+class UserCall(NamedTuple):
+  """The user's call inside a wrapped one, for naming its arguments in errors.
+
+  Attributes:
+    fun: the user's function, whose parameter names name the arguments.
+    args: maps the wrapped call's positional arguments to the user's.
+    argnums: the user's ``argnums`` (``None``: the transform's default).
+  """
+
+  fun: Callable[..., Any]
+  args: Callable[[tuple], tuple]
+  argnums: Any
+
+
 def grad_of_scaled_loss(
   fun: Callable[..., Any],
   scale_loss: Callable[[Any], Any],
@@ -455,6 +469,7 @@ def grad_of_scaled_loss(
   has_aux: bool,
   argnums: Any,
   value_and_grad: ValueAndGradTransform,
+  user_call: UserCall | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
   """``value_and_grad`` of ``scale_loss(fun(...))`` that returns ``fun``'s own value.
 
@@ -466,6 +481,9 @@ def grad_of_scaled_loss(
     scale_loss: multiplies the loss by the scale the gradients are to carry.
     has_aux, argnums, value_and_grad: as in :meth:`LossScale.value_and_grad`
       (``argnums=None`` is not passed to ``value_and_grad``).
+    user_call: when ``fun`` wraps the user's function with other arguments
+      (the layer-wise scale's probes), how to name the user's arguments in
+      errors (default: ``fun``'s own, as called).
 
   Returns:
     A function with ``fun``'s signature returning ``(value, scaled_grads)``.
@@ -491,10 +509,11 @@ def grad_of_scaled_loss(
     try:
       (_, (value, aux)), grads = grad_fn(*args, **kwargs)
     except TypeError as error:
-      found = [] if entered else _non_float_leaves(fun, args, argnums)
+      call = user_call or UserCall(fun, lambda given: given, argnums)
+      found = [] if entered else _non_float_leaves(call.fun, call.args(args), call.argnums)
       if not found:
         raise
-      raise TypeError(_non_float_message(value_and_grad, argnums, found)) from error
+      raise TypeError(_non_float_message(value_and_grad, call.argnums, found)) from error
     return ((value, aux) if has_aux else value), grads
 
   return value_and_scaled_grad

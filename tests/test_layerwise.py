@@ -813,3 +813,24 @@ def test_fp8_refuses_a_layerwise_loss_scale():
     )
   with pytest.raises(TypeError, match="each stage its own"):
     jl.gradient_statistics({"w": jnp.ones(2)}, loss_scale=scale)
+
+
+def test_non_float_leaves_are_named_by_the_users_argument_names():
+  # jax.value_and_grad of an Equinox module (functions as leaves) with a layer-wise scale: the
+  # probes travel with the module or come last, but the error names the user's arguments.
+  import equinox as eqx
+
+  model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (6, 4))
+  loss_fn = lambda model, x: jnp.mean(jax.vmap(model)(x) ** 2)
+  not_float = (
+    "these leaves are not: model.activation: a function (custom_jvp); "
+    "model.final_activation: a function. For an Equinox module"
+  )
+  for argnums, which in [(None, "the first argument"), (0, "argnums=0")]:
+    selection = {} if argnums is None else {"argnums": argnums}
+    scaled = jl.scaled_value_and_grad(loss_fn, jl.LayerwiseLossScale(0), **selection)
+    with pytest.raises(TypeError) as info:
+      scaled(model, x)
+    assert f"differentiates every leaf of {which}," in str(info.value)
+    assert not_float in str(info.value)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _tree_util, _validation
-from jmp_lite._loss_scale import ValueAndGradTransform, grad_of_scaled_loss
+from jmp_lite._loss_scale import UserCall, ValueAndGradTransform, grad_of_scaled_loss
 from jmp_lite._tree_util import DERIVED, STATIC
 from jmp_lite.layerwise import _rule
 from jmp_lite.layerwise._boundary import BoundaryStats, StatsMode, with_boundaries, zero_probes
@@ -341,7 +341,12 @@ def _value_and_grad(
     if argnums is None:
       with_first = lambda first, *rest, **kw: fun_with_probes(first[0], *rest, first[1], **kw)
       grad_fn = grad_of_scaled_loss(
-        with_first, scale_loss, has_aux=has_aux, argnums=None, value_and_grad=value_and_grad
+        with_first,
+        scale_loss,
+        has_aux=has_aux,
+        argnums=None,
+        value_and_grad=value_and_grad,
+        user_call=UserCall(fun, lambda given: (given[0][0], *given[1:]), None),
       )
       value, (grads, stats) = grad_fn((args[0], probes), *args[1:], **kwargs)
       return value, LayerwiseGrads(grads, stats)
@@ -351,6 +356,7 @@ def _value_and_grad(
       has_aux=has_aux,
       argnums=(argnums, len(args)),
       value_and_grad=value_and_grad,
+      user_call=UserCall(fun, lambda given: given[:-1], argnums),
     )
     value, (grads, stats) = grad_fn(*args, probes, **kwargs)
     return value, LayerwiseGrads(grads, stats)
