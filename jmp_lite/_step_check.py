@@ -24,7 +24,7 @@ import numpy as np
 
 from jmp_lite import _tree_util
 from jmp_lite._loss_scale import LossScale, NoOpLossScale
-from jmp_lite._transform import LossScalingState, loss_scaling_states
+from jmp_lite._transform import is_loss_scaling_state, loss_scaling_states
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,10 +124,6 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _is_state(x: Any) -> bool:
-  return isinstance(x, LossScalingState)
-
-
 def _check_factor(factor: Any) -> None:
   if not (isinstance(factor, float | int) and 0 < factor < 1 and math.log2(factor).is_integer()):
     raise ValueError(f"factor must be a power of two below 1, got {factor!r}.")
@@ -137,7 +133,8 @@ def _the_loss_scale(args: tuple, kwargs: dict) -> tuple[LossScale, int]:
   """The loss scale and ``steps`` of the one loss scaling state among the step's arguments."""
   found = loss_scaling_states((args, kwargs))
   if len(found) != 1:
-    nested = sum(len(loss_scaling_states(x.inner_state)) for x in found)
+    leaves = jax.tree.leaves((args, kwargs), is_leaf=is_loss_scaling_state)
+    nested = len(found) - sum(map(is_loss_scaling_state, leaves))  # those inside another
     inside = f" ({nested} of them inside another: loss scaling applied twice)" if nested else ""
     raise ValueError(
       f"check_loss_scaling needs exactly one loss scaling state among the step's arguments, "
@@ -147,7 +144,12 @@ def _the_loss_scale(args: tuple, kwargs: dict) -> tuple[LossScale, int]:
   loss_scale = found[0].loss_scale
   if not isinstance(loss_scale, LossScale):
     raise TypeError(f"The loss scaling state holds {type(loss_scale).__name__}, not a LossScale.")
-  return loss_scale, int(found[0].steps)
+  return loss_scale, _host_int(found[0].steps)
+
+
+def _host_int(x: Any) -> int:
+  """``x`` as an int, the largest value for a state replicated over devices (``pmap``)."""
+  return int(np.max(np.asarray(x)))
 
 
 def _probe_run(
@@ -159,16 +161,16 @@ def _probe_run(
   def probe(x):
     # A step may donate its arguments: the probe runs must not consume the caller's buffers.
     x = _tree_util.copy_arrays(x)
-    if _is_state(x):
+    if is_loss_scaling_state(x):
       return x._replace(
         loss_scale=_ProbeScale(_tree_util.copy_arrays(loss_scale), factor, recorder)
       )
     return x
 
-  probe_args, probe_kwargs = jax.tree.map(probe, (args, kwargs), is_leaf=_is_state)
+  probe_args, probe_kwargs = jax.tree.map(probe, (args, kwargs), is_leaf=is_loss_scaling_state)
   out = jax.block_until_ready(step(*probe_args, **probe_kwargs))
   jax.effects_barrier()
-  recorder.returned_steps = [int(x.steps) for x in loss_scaling_states(out)]
+  recorder.returned_steps = [_host_int(x.steps) for x in loss_scaling_states(out)]
   if not recorder.at_update:
     raise ValueError(
       "The step never called loss_scaling's update with the loss scaling state it was given."
@@ -200,19 +202,46 @@ def _fitting_run(
     if floor:
       break
     scale = lower
-  start, last = float(loss_scale.loss_scale), float(scale.loss_scale)
-  tried = f"at the loss scale {start:g}" + (f" nor backed off to {last:g}" if last != start else "")
+  raise ValueError(_not_finite_message(loss_scale, scale, floor))
+
+
+def _not_finite_message(start: LossScale, last: LossScale, floor: bool) -> str:
+  """Why the gradients are not finite at ``start`` nor at ``last``, where backing off stopped.
+
+  At a scale of 1 or below, loss scaling inflates nothing: the inf or NaN is
+  the batch's, the model's or the loss's. Above 1, a lower scale may fit.
+  """
+  first, final = _host_float(start.loss_scale), _host_float(last.loss_scale)
+  tried = f"at the loss scale {first:g} ({type(start).__name__})"
+  if final != first:
+    tried += f" nor backed off to {final:g}"
+  if final <= 1:
+    return (
+      f"The step's gradients are not finite {tried}: at a scale of 1 or below nothing "
+      "overflows because of loss scaling, so an inf or NaN is in the batch, the model or the "
+      "loss; the check cannot compare the gradients. Run it on a batch whose loss and "
+      "gradients are finite without loss scaling."
+    )
   why = (
     "this loss scale goes no lower (a fixed scale, or the floor min_loss_scale): every step "
     "would be skipped"
     if floor
-    else "an inf or NaN that stays at every scale is in the batch or the model"
+    else f"backing it off {_MAX_RUNS} times did not make them finite"
   )
-  raise ValueError(
+  lower = max(0, math.floor(math.log2(final)) - 7)
+  return (
     f"The step's gradients are not finite {tried}, and {why}; the check cannot compare them. "
-    "Run it on a batch without inf or NaN, or with a lower starting scale, e.g. "
-    "opt_state._replace(loss_scale=jl.DynamicLossScale(jnp.float32(2.0 ** 8)))."
+    "Run it on a batch without inf or NaN, or start from a lower scale, e.g. "
+    f"loss_scale = jl.DynamicLossScale(jnp.float32(2.0 ** {lower})), passed where the state "
+    "is built: tx = jl.loss_scaling(optimizer, loss_scale) and tx.init(params), "
+    "jl.flax.TrainState.create(..., tx=optimizer, loss_scale=loss_scale) or "
+    "jl.flax.Optimizer(model, optimizer, wrt=..., loss_scale=loss_scale)."
   )
+
+
+def _host_float(x: Any) -> float:
+  """``x`` as a float, the largest value for a state replicated over devices (``pmap``)."""
+  return float(np.max(np.asarray(x)))
 
 
 def _same_state(a: LossScale, b: LossScale) -> bool:
@@ -345,6 +374,16 @@ def check_loss_scaling(
   first, loss_scale = _fitting_run(step, args, kwargs, loss_scale)
   _check_returned_state(first, steps_before)
   second = _probe_run(step, args, kwargs, loss_scale, factor)
+  _compare_runs(first, second, factor, loss_scale)
+
+
+def _compare_runs(
+  first: _Recorder, second: _Recorder, factor: float, loss_scale: LossScale
+) -> None:
+  """Refuses the step unless the second run's gradients are ``factor`` times the first's.
+
+  With a :class:`NoOpLossScale` a finding is a warning (see :func:`check_loss_scaling`).
+  """
   n1, n2 = _update_norms(first, second)
   ratio = n2 / n1
   if abs(ratio / factor - 1) <= 1e-3:
@@ -358,5 +397,5 @@ def check_loss_scaling(
     "With NoOpLossScale this step trains as it should (scaled and unscaled gradients "
     f"coincide), but not with any other loss scale: {message}",
     UserWarning,
-    stacklevel=2,
+    stacklevel=3,  # check_loss_scaling's caller
   )

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import _tree_util
-from jmp_lite._loss_scale import LossScale
+from jmp_lite._loss_scale import LossScale, ValueAndGradTransform
 
 # The public names; `jmp_lite/transform.py` (the module's old path) re-exports them.
 __all__ = [
@@ -105,13 +105,30 @@ def loss_scaling_states(tree: Any) -> list[LossScalingState]:
   counted too, outermost first.
   """
   found = []
-  for x in jax.tree.leaves(tree, is_leaf=_is_state):
-    if _is_state(x):
-      found.extend([x, *loss_scaling_states(x.inner_state)])
+  for x in _top_level_states(tree):
+    found.extend([x, *loss_scaling_states(x.inner_state)])
   return found
 
 
-def _is_state(x: Any) -> bool:
+def loss_scaling_depth(tree: Any) -> int:
+  """How many loss scaling states the deepest chain of them in ``tree`` has, one inside another.
+
+  It is how many times a gradient is unscaled at most: ``0`` with none, ``1``
+  for one state or several side by side (``optax.multi_transform``), ``3``
+  for ``A(B(C))``.
+  """
+  return max((1 + loss_scaling_depth(x.inner_state) for x in _top_level_states(tree)), default=0)
+
+
+def _top_level_states(tree: Any) -> list[LossScalingState]:
+  """The loss scaling states in ``tree`` that are inside no other one."""
+  return [
+    x for x in jax.tree.leaves(tree, is_leaf=is_loss_scaling_state) if is_loss_scaling_state(x)
+  ]
+
+
+def is_loss_scaling_state(x: Any) -> bool:
+  """Whether ``x`` is a :class:`LossScalingState`."""
   return isinstance(x, LossScalingState)
 
 
@@ -229,7 +246,7 @@ def _refuse_nested(inner_state: Any) -> Any:
       nested_loss_scaling_message(
         "jl.loss_scaling's inner optimizer already applies loss scaling (its state holds "
         f"{nested} LossScalingState)",
-        nested + 1,
+        loss_scaling_depth(inner_state) + 1,
       )
     )
   return inner_state
@@ -292,7 +309,7 @@ def scaled_value_and_grad(
   *,
   has_aux: bool = False,
   argnums: Any = None,
-  value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+  value_and_grad: ValueAndGradTransform = jax.value_and_grad,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like :func:`jax.value_and_grad`, differentiating ``loss_scale * fun``.
 

@@ -205,10 +205,10 @@ def test_a_batch_that_overflows_at_the_starting_scale_is_checked_at_a_scale_that
 
 def test_a_scale_that_cannot_go_lower_says_what_to_pass():
   for loss_scale, tried in [
-    (jl.StaticLossScale(jnp.float32(2.0**15)), "at the loss scale 32768, "),
+    (jl.StaticLossScale(jnp.float32(2.0**15)), r"at the loss scale 32768 \(StaticLossScale\), "),
     (
       jl.DynamicLossScale(jnp.float32(2.0**15), min_loss_scale=2.0**13),
-      "at the loss scale 32768 nor backed off to 8192,",
+      r"at the loss scale 32768 \(DynamicLossScale\) nor backed off to 8192,",
     ),
   ]:
     tx = jl.loss_scaling(optax.sgd(0.1), loss_scale)
@@ -228,3 +228,87 @@ def test_a_step_that_returns_the_state_it_was_given_is_reported():
     jl.check_loss_scaling(step, PARAMS, tx.init(PARAMS), X, Y)
   # The counters that did move (the step returns the new state): passes.
   jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), X, Y)
+
+
+def test_a_state_replicated_over_devices_is_checked():
+  # pmap-replicated states (and jax.device_put_replicated's) hold steps of shape (devices,).
+  devices = jax.devices()[:2]
+  tx = jl.loss_scaling(optax.sgd(0.1), SCALE, axis_name="d")
+
+  def take_grads(params, opt_state, x, y):
+    return jax.lax.pmean(scaled(params, opt_state, x, y), "d")
+
+  def per_device(params, opt_state, x, y):
+    updates, opt_state = tx.update(take_grads(params, opt_state, x, y), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  step = jax.pmap(per_device, axis_name="d", devices=devices)
+  replicate = lambda tree: jax.tree.map(lambda v: jnp.stack([v] * len(devices)), tree)
+  params, opt_state = replicate(PARAMS), replicate(tx.init(PARAMS))
+  assert opt_state.steps.shape == (2,)
+  x, y = X.reshape(2, 4, 4), Y.reshape(2, 4, 2)
+  jl.check_loss_scaling(step, params, opt_state, x, y)
+
+  def drops_the_new_state(params, opt_state, x, y):
+    return per_device(params, opt_state, x, y)[0], opt_state
+
+  bad = jax.pmap(drops_the_new_state, axis_name="d", devices=devices)
+  with pytest.raises(ValueError, match=r"returns the loss scaling state it was given.*stayed at 0"):
+    jl.check_loss_scaling(bad, params, opt_state, x, y)
+
+
+def _not_finite_error(loss_scale, x, y):
+  tx = jl.loss_scaling(optax.sgd(0.1), loss_scale)
+  with pytest.raises(ValueError) as info:
+    jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), x, y)
+  return str(info.value)
+
+
+def test_gradients_not_finite_at_a_scale_of_one_blame_the_batch_or_the_model():
+  x_nan = X.at[0, 0].set(jnp.nan)
+  for loss_scale, name in [
+    (jl.NoOpLossScale(), "NoOpLossScale"),
+    (jl.StaticLossScale(jnp.float32(1.0)), "StaticLossScale"),
+  ]:
+    assert _not_finite_error(loss_scale, x_nan, Y) == (
+      f"The step's gradients are not finite at the loss scale 1 ({name}): at a scale of 1 or "
+      "below nothing overflows because of loss scaling, so an inf or NaN is in the batch, the "
+      "model or the loss; the check cannot compare the gradients. Run it on a batch whose loss "
+      "and gradients are finite without loss scaling."
+    )
+
+
+def test_gradients_not_finite_at_a_fixed_scale_suggest_a_lower_one_that_fits_every_state():
+  # fp16 gradients of this loss overflow at 4 (and fit at 1).
+  y_far = Y + 2.0**16
+  assert bool(jl.all_finite(jax.grad(loss_fn)(PARAMS, X, y_far)))
+  assert not bool(jl.all_finite(jax.grad(lambda p: 4 * loss_fn(p, X, y_far))(PARAMS)))
+  assert _not_finite_error(jl.StaticLossScale(jnp.float32(4.0)), X, y_far) == (
+    "The step's gradients are not finite at the loss scale 4 (StaticLossScale), and this loss "
+    "scale goes no lower (a fixed scale, or the floor min_loss_scale): every step would be "
+    "skipped; the check cannot compare them. Run it on a batch without inf or NaN, or start "
+    "from a lower scale, e.g. loss_scale = jl.DynamicLossScale(jnp.float32(2.0 ** 0)), passed "
+    "where the state is built: tx = jl.loss_scaling(optimizer, loss_scale) and "
+    "tx.init(params), jl.flax.TrainState.create(..., tx=optimizer, loss_scale=loss_scale) or "
+    "jl.flax.Optimizer(model, optimizer, wrt=..., loss_scale=loss_scale)."
+  )
+  # The scale suggested fits.
+  fits = jl.loss_scaling(optax.sgd(0.1), jl.DynamicLossScale(jnp.float32(2.0**0)))
+  jl.check_loss_scaling(make_step(fits, scaled), PARAMS, fits.init(PARAMS), X, y_far)
+
+
+def _by_hand(*inner):
+  """A loss scaling state holding ``inner`` (the builders refuse to nest them)."""
+  state = jl.loss_scaling(optax.sgd(0.1), SCALE).init(PARAMS)
+  return state._replace(inner_state=inner[0] if len(inner) == 1 else inner)
+
+
+def test_nested_states_are_counted_as_they_nest():
+  step = make_step(jl.loss_scaling(optax.sgd(0.1), SCALE), scaled)
+  for state, found in [
+    (_by_hand(_by_hand(_by_hand(()))), r"found 3 \(2 of them inside another: loss scaling"),
+    (_by_hand(_by_hand(()), _by_hand(())), r"found 3 \(2 of them inside another: loss scaling"),
+    ((_by_hand(()), _by_hand(())), r"found 2: pass the optimizer state"),
+  ]:
+    with pytest.raises(ValueError, match=found):
+      jl.check_loss_scaling(step, PARAMS, state, X, Y)

@@ -488,6 +488,35 @@ def test_loss_scaling_of_a_transformation_containing_one_is_refused_at_init(inne
     jax.eval_shape(tx.init, {"w": jnp.ones(1)})
 
 
+def _side_by_side(scale):
+  """Two loss scalings side by side: each parameter's gradients go through one of them."""
+  once = jl.loss_scaling(optax.sgd(0.5), scale)
+  return optax.multi_transform({"a": once, "b": once}, {"u": "a", "v": "b"})
+
+
+def test_nested_loss_scaling_is_counted_by_how_deep_it_nests():
+  scale = jl.StaticLossScale(8.0)
+  params = {"u": jnp.ones(1), "v": jnp.ones(1)}
+  # Side by side inside another: each gradient is unscaled twice, not three times.
+  with pytest.raises(ValueError) as info:
+    jl.loss_scaling(_side_by_side(scale), scale).init(params)
+  assert str(info.value) == (
+    "jl.loss_scaling's inner optimizer already applies loss scaling (its state holds 2 "
+    "LossScalingState): the gradients would be unscaled 2 times, so every update would be "
+    "1/S of what it should be. Apply loss scaling once, outermost: "
+    "jl.loss_scaling(optax.chain(..., optimizer), loss_scale), or a bare optimizer with "
+    "loss_scale= in jl.flax.TrainState.create or jl.flax.Optimizer."
+  )
+  # One inside another inside another: three times.
+  once = jl.loss_scaling(optax.sgd(0.5), scale)
+  two_deep = once.init(params)._replace(inner_state=once.init(params))  # built by hand
+  inner = optax.GradientTransformation(lambda p: two_deep, optax.sgd(0.5).update)
+  with pytest.raises(
+    ValueError, match=r"holds 2 LossScalingState\): .* unscaled 3 times, .* 1/S\^2 "
+  ):
+    jl.loss_scaling(inner, scale).init(params)
+
+
 def test_a_nested_loss_scaling_state_is_counted():
   tx = jl.loss_scaling(optax.sgd(0.5), jl.StaticLossScale(8.0))
   state = tx.init({"w": jnp.zeros(1)})

@@ -11,6 +11,7 @@ from jax import lax
 from jmp_lite._loss_scale import LossScale, NoOpLossScale
 from jmp_lite._transform import (
   loss_scaling,
+  loss_scaling_depth,
   loss_scaling_states,
   nested_loss_scaling_message,
 )
@@ -34,7 +35,7 @@ def with_loss_scaling(
   it does is read from its state, initialized abstractly (``jax.eval_shape``:
   no FLOPs), so a chain or ``MultiSteps`` containing ``jl.loss_scaling`` counts.
   """
-  inside = len(loss_scaling_states(jax.eval_shape(tx.init, params)))
+  inside = loss_scaling_depth(jax.eval_shape(tx.init, params))
   if loss_scale is None:
     return tx if inside else loss_scaling(tx, NoOpLossScale(), axis_name=axis_name)
   if inside:

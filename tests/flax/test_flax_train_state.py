@@ -273,6 +273,19 @@ def test_loss_scaling_applied_twice_is_refused():
     )
 
 
+def test_a_tx_applying_loss_scaling_side_by_side_counts_one_unscaling_each():
+  # optax.multi_transform of two loss scalings: with loss_scale= each gradient is unscaled twice.
+  once = jl.loss_scaling(optax.sgd(0.5), SCALE)
+  side_by_side = optax.multi_transform({"a": once, "b": once}, {"u": "a", "v": "b"})
+  with pytest.raises(ValueError, match=r"unscaled 2 times, so every update would be 1/S of"):
+    jlf.TrainState.create(
+      apply_fn=lambda v: v,
+      params={"u": jnp.ones(1), "v": jnp.ones(1)},
+      tx=side_by_side,
+      loss_scale=SCALE,
+    )
+
+
 def test_no_loss_scale_is_noop_loss_scale():
   none, noop = (
     _sgd_state(tx=optax.sgd(0.5)),
