@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -52,46 +53,76 @@ def parameter_order(fn: Callable[..., Any], params: Any, *args: Any, **kwargs: A
     per leaf of ``params``: used leaves in the order of their first use, then
     unused ones in tree order.
   """
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  names = [_jaxpr.path_name(p) for p, _ in leaves]
+  names = [_jaxpr.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   closed = jax.make_jaxpr(lambda p: fn(p, *args, **kwargs))(params)
-  first: dict[str, int] = {}
-  counter = itertools.count()
-  nobody: frozenset[str] = frozenset()
+  uses = _FirstUses()
+  uses.walk(
+    closed.jaxpr, {v: frozenset([n]) for v, n in zip(closed.jaxpr.invars, names, strict=True)}
+  )
+  ranked = sorted(enumerate(names), key=lambda item: (uses.first.get(item[1], math.inf), item[0]))
+  return tuple(name for _, name in ranked)
 
-  def walk(jaxpr, owners: dict[Any, frozenset[str]]) -> None:
+
+_NOBODY: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(eq=False)
+class _FirstUses:
+  """The position (in walk order) of each parameter's first use in a jaxpr and its calls."""
+
+  first: dict[str, int] = dataclasses.field(default_factory=dict)
+  counter: Iterator[int] = dataclasses.field(default_factory=itertools.count)
+
+  def walk(self, jaxpr: Any, owners: dict[Any, frozenset[str]]) -> None:
     """Records first uses in ``jaxpr``; ``owners`` (var -> the leaves it carries) grows."""
     for eqn in jaxpr.eqns:
-      position = next(counter)
-      carried = [nobody if _jaxpr.is_literal(v) else owners.get(v, nobody) for v in eqn.invars]
-      used = nobody.union(*carried)
+      position = next(self.counter)
+      carried = [_NOBODY if _jaxpr.is_literal(v) else owners.get(v, _NOBODY) for v in eqn.invars]
+      used = _NOBODY.union(*carried)
       if not used:
         continue
       if eqn.primitive.name in _PASS_THROUGH:
-        one_to_one = len(eqn.invars) == len(eqn.outvars)
-        for i, v in enumerate(eqn.outvars):
-          if one_to_one and carried[i]:
-            owners[v] = carried[i]
-          elif not one_to_one:
-            owners[v] = used
+        _pass_through(eqn, carried, used, owners)
         continue
-      bound = set()
-      for sub in _jaxpr.sub_jaxprs(eqn):
-        inner = {}
-        for var, atom in zip(sub.jaxpr.invars, sub.bindings, strict=True):
-          if atom is not None and not _jaxpr.is_literal(atom) and atom in owners:
-            inner[var] = owners[atom]
-            bound.add(atom)
-        walk(sub.jaxpr, inner)
-        if sub.returns_outputs:  # a call (jit, remat, custom_jvp): follow values out of it
-          for outer, out in zip(eqn.outvars, sub.jaxpr.outvars, strict=True):
-            if not _jaxpr.is_literal(out) and inner.get(out):
-              owners[outer] = inner[out]
+      bound = self._walk_calls(eqn, owners)
       for v in eqn.invars:  # operands used directly here
         if not _jaxpr.is_literal(v) and v in owners and v not in bound:
           for name in owners[v]:
-            first.setdefault(name, position)
+            self.first.setdefault(name, position)
 
-  walk(closed.jaxpr, {v: frozenset([n]) for v, n in zip(closed.jaxpr.invars, names, strict=True)})
-  ranked = sorted(enumerate(names), key=lambda item: (first.get(item[1], math.inf), item[0]))
-  return tuple(name for _, name in ranked)
+  def _walk_calls(self, eqn: Any, owners: dict[Any, frozenset[str]]) -> set[Any]:
+    """Walks ``eqn``'s sub-jaxprs; returns the operands bound to their inputs.
+
+    Values are followed into them, and out of them where ``eqn`` is a call
+    (``jit``, ``remat``, ``custom_jvp``): an operand bound to a sub-jaxpr's
+    input is used where the sub-jaxpr uses it, not by ``eqn`` itself.
+    """
+    bound = set()
+    for sub in _jaxpr.sub_jaxprs(eqn):
+      inner = {}
+      for var, atom in zip(sub.jaxpr.invars, sub.bindings, strict=True):
+        if atom is not None and not _jaxpr.is_literal(atom) and atom in owners:
+          inner[var] = owners[atom]
+          bound.add(atom)
+      self.walk(sub.jaxpr, inner)
+      if sub.returns_outputs:
+        for outer, out in zip(eqn.outvars, sub.jaxpr.outvars, strict=True):
+          if not _jaxpr.is_literal(out) and inner.get(out):
+            owners[outer] = inner[out]
+    return bound
+
+
+def _pass_through(
+  eqn: Any, carried: list[frozenset[str]], used: frozenset[str], owners: dict[Any, frozenset[str]]
+) -> None:
+  """Passes the leaves ``eqn``'s operands carry on to its outputs (it computes nothing).
+
+  Output ``i`` carries operand ``i``'s leaves when the counts match, all of
+  them otherwise.
+  """
+  one_to_one = len(eqn.invars) == len(eqn.outvars)
+  for i, v in enumerate(eqn.outvars):
+    if one_to_one and carried[i]:
+      owners[v] = carried[i]
+    elif not one_to_one:
+      owners[v] = used
