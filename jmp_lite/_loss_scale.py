@@ -449,17 +449,11 @@ class DynamicLossScale(_UniformScale):
 
 
 class UserCall(NamedTuple):
-  """The user's call inside a wrapped one, for naming its arguments in errors.
+  """The user's call inside a wrapped one: how errors name its arguments."""
 
-  Attributes:
-    fun: the user's function, whose parameter names name the arguments.
-    args: maps the wrapped call's positional arguments to the user's.
-    argnums: the user's ``argnums`` (``None``: the transform's default).
-  """
-
-  fun: Callable[..., Any]
-  args: Callable[[tuple], tuple]
-  argnums: Any
+  fun: Callable[..., Any]  # the user's function: its parameter names name the arguments
+  args: Callable[[tuple], tuple]  # the wrapped call's positional arguments -> the user's
+  argnums: Any  # the user's argnums (None: the transform's default)
 
 
 def grad_of_scaled_loss(

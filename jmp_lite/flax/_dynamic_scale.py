@@ -92,9 +92,11 @@ class DynamicScale:
       fin_steps = 0
       scale = max(scale * backoff_factor, minimum_scale or float32 tiny)
 
-  The constructor (and so :meth:`replace` and restoring a checkpoint) copies
-  the arrays it is given: a step that donates a state holding this scale
-  deletes no other scale's buffers.
+  The constructor and :meth:`replace` (through which ``flax.serialization``
+  restores a checkpoint) copy the arrays they are given: a step that donates
+  a state holding this scale deletes no other scale's buffers. Unflattening
+  the pytree (``jax.tree.map``, ``jit`` outputs, orbax's restore) keeps the
+  arrays it is given (orbax restores into new arrays).
 
   Flax 0.12 and older grow one step later (when ``fin_steps ==
   growth_interval``), so a ``fin_steps`` equal to ``growth_interval`` from
