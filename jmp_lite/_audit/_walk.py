@@ -39,6 +39,7 @@ def _context(
     function_policy=function_policy,
     argument_policies=argument_policies,
     marked=_policies.marks_policy(jaxpr),
+    differentiates=_policies.differentiates(jaxpr),
     long_reduction=config.long_reduction,
     long_contraction=config.long_contraction,
     matmul_accumulation=config.matmul_accumulation,
