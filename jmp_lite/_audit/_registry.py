@@ -26,7 +26,7 @@ import numpy as np
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _jaxpr
 from jmp_lite._audit import _source
-from jmp_lite._audit._graph import Graph, GraphCache
+from jmp_lite._audit._graph import Call, Graph, GraphCache
 from jmp_lite._audit._policies import ComputePolicy
 from jmp_lite._audit._ranges import Range
 from jmp_lite._policy import Policy
@@ -122,6 +122,7 @@ class Site(NamedTuple):
   ranges: Sequence[Range]  # its operands' value ranges
   origin: _source.Origin  # its scope, source line, forward or backward pass
   audit: AuditContext
+  calls: tuple[Call, ...] = ()  # the calls its jaxpr is nested in, outermost first
 
   def derivative_of(self) -> str | None:
     """None when the user's code wrote the equation; else the operation whose
