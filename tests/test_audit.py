@@ -798,6 +798,23 @@ def test_fp32_matmul_takes_the_compute_dtype_from_the_functions_policy():
   ]:
     (finding,) = audit(fn, *args)
     assert (finding.check, finding.dtype) == ("fp32_matmul", "bfloat16")
+
+  # The function's policy judges it, not one among the arguments (the step's model's policy).
+  @functools.wraps(apply_fn)
+  def with_a_policy_argument(x, w, policy):
+    del policy
+    return apply_fn(x, w)
+
+  (finding,) = audit(with_a_policy_argument, x, w, jl.get_policy("p=f32,c=f16,o=f32"))
+  assert finding.dtype == "bfloat16"
+  assert finding.message.endswith(
+    "It is judged by the audited function's policy p=f32,c=bf16,o=f32 (its policy attribute). "
+    "A layer built with dtype=jnp.float32 (or an explicit cast to float32) keeps its dtype under "
+    "a policy: build it with the default dtype=None so the policy decides. If it is meant to stay "
+    "in float32 (an fp32 override, e.g. the default one of nn.Embed, whose attend() is a matmul), "
+    "allow it (allow_scopes / allow_locations)."
+  ), finding.message
+  assert "arguments carry" not in finding.message
   # An explicit compute_dtype wins; a float32 policy asks for float32 matmuls.
   assert not audit(apply_fn, x, w, audit_config=AuditConfig(compute_dtype="float32"))
   apply_fn.policy = jl.get_policy("float32")

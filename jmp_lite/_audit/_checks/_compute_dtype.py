@@ -10,9 +10,13 @@ the logits layer of a policy) runs on 16-bit units and is what a policy asks for
 
 Each equation is judged by the compute dtype in force where it was traced (see
 :mod:`jmp_lite._audit._policies`): the configured one, the policy scope around
-it, the audited function's policy, or a policy among its arguments. A float32
-matmul outside every policy scope while the arguments carry a 16-bit policy
-says that the step ran without it (``model.apply`` instead of ``state.apply_fn``).
+it, else (for what ``jax.grad`` differentiates, not an optimizer's update) the
+audited function's policy or a policy among its arguments. A float32 matmul
+outside every policy scope while the arguments carry a 16-bit policy says that
+the step ran without it (``model.apply`` instead of ``state.apply_fn``). When
+JAX or Flax made both operands float32 (Flax's ``promote_dtype`` casts the
+other operand up to a promoted one's float32), the finding names the promotion,
+following values out of the ``jit``, ``scan`` and ``checkpoint`` around them.
 """
 
 from __future__ import annotations
@@ -204,10 +208,9 @@ def _name(dtype: np.dtype | None) -> str:
 
 
 def _fix(site: Site, compute: ComputePolicy, mixed: bool) -> str:
-  """How to fix it: depends on whether a policy runs around the matmul."""
-  policies = site.audit.argument_policies
-  if site.origin.policy is None and policies:
-    policy = policies[0]
+  """How to fix it: depends on where the compute dtype comes from (``compute.source``)."""
+  policy = compute.policy
+  if compute.source == "arguments":
     if not site.audit.marked:
       return (
         f"The arguments carry the policy {policy} (e.g. a jmp_lite.flax.TrainState's "
@@ -223,6 +226,14 @@ def _fix(site: Site, compute: ComputePolicy, mixed: bool) -> str:
       "computes it without the policy, e.g. with model.apply beside state.apply_fn, or in its "
       f"own code (a loss); run it through the policy or cast its operands to {compute.dtype.name}."
     )
+  if compute.source == "function":
+    judged = f"It is judged by the audited function's policy {policy} (its policy attribute). "
+    return judged + _operand_fix(compute, mixed)
+  return _operand_fix(compute, mixed)
+
+
+def _operand_fix(compute: ComputePolicy, mixed: bool) -> str:
+  """How to keep the operands in the compute dtype where the policy runs."""
   if mixed:
     return (
       f"Keep both operands in {compute.dtype.name}: multiply by Python scalars (weakly typed) "
