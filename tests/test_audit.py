@@ -721,14 +721,18 @@ def test_fp32_matmul_names_the_promotion_behind_flaxs_cast_of_both_operands():
   assert f"The rhs {scaled} {promoted}" in values
   assert "dtype=" not in scores + values  # no layer's dtype= is to blame
   # Cast by hand, the operands have no promotion to name: the dtype= / explicit cast message.
+  # So do operands cast by hand from a 16-bit value that an earlier promotion made (and a
+  # cast narrowed back): the float32 chain begins at the cast.
   by_hand = lambda q, k, v: flax_attention(q.astype(F32), k.astype(F32), v.astype(F32))
-  report = audit(by_hand, q, k, v, audit_config=config)
-  assert [f.message.split(":")[0] for f in report] == [
-    "dot_general with float32 operands while the compute dtype is bfloat16"
-  ] * 2
-  assert all(
-    "A layer built with dtype=jnp.float32 (or an explicit cast" in f.message for f in report
-  )
+  narrowed = lambda q, k, v: by_hand(flax_attention(q, k, v).astype(BF16), k, v)
+  for fn in (by_hand, narrowed):
+    last_two = audit(fn, q, k, v, audit_config=config).findings[-2:]
+    assert [f.message.split(":")[0] for f in last_two] == [
+      "dot_general with float32 operands while the compute dtype is bfloat16"
+    ] * 2
+    assert all(
+      "A layer built with dtype=jnp.float32 (or an explicit" in f.message for f in last_two
+    )
   # A Python scalar is weakly typed and keeps the query in bfloat16.
   assert not audit(
     lambda q, k, v: nn.dot_product_attention(q * 0.25, k, v), q, k, v, audit_config=config

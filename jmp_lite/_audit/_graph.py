@@ -8,7 +8,7 @@ re-type values. Every search is bounded, so a large model stays linear.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
 from jmp_lite import _jaxpr
@@ -194,16 +194,22 @@ def defining(loc: Located) -> tuple[Located, Any | None]:
   return loc, None
 
 
-def upstream(graphs: GraphCache, loc: Located, limit: int = 64) -> Iterator[tuple[Any, Located]]:
+def upstream(
+  graphs: GraphCache,
+  loc: Located,
+  follow: Callable[[Any], bool] = lambda atom: True,
+  limit: int = 64,
+) -> Iterator[tuple[Any, Located]]:
   """The equations a variable is computed from, nearest first, across the calls on the way.
 
-  Follows every operand back: out of a called jaxpr to its call's operands,
-  and into a call that computes an operand (``jnp.var``'s ``jit``) to the
-  equations that compute it inside.
+  Follows the operands back (those ``follow`` accepts): out of a called jaxpr
+  to its call's operands, and into a call that computes an operand
+  (``jnp.var``'s ``jit``) to the equations that compute it inside.
 
   Args:
     graphs: the graphs of the jaxprs met on the way.
     loc: the variable.
+    follow: whether to look at what an operand is computed from.
     limit: the most variables visited.
 
   Yields:
@@ -225,7 +231,7 @@ def upstream(graphs: GraphCache, loc: Located, limit: int = 64) -> Iterator[tupl
       todo.append(Located(graphs(sub.jaxpr), out, (*where.calls, call)))
       continue
     yield eqn, where
-    todo.extend(Located(where.graph, a, where.calls) for a in eqn.invars)
+    todo.extend(Located(where.graph, a, where.calls) for a in eqn.invars if follow(a))
 
 
 def reduction_origin(graphs: GraphCache, graph: Graph, atom: Any) -> tuple[Any, list[Any]]:

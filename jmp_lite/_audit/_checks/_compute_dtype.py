@@ -89,9 +89,14 @@ class _Widening(NamedTuple):
 
 
 def _widening(site: Site, loc: _graph.Located) -> _Widening | None:
-  """The nearest promotion to float32 that ``loc`` is computed from, else the nearest cast."""
+  """The nearest promotion to float32 that ``loc`` is computed from, else the nearest cast.
+
+  Only float32 values are followed back: a 16-bit value on the way was computed before
+  the float32 chain began.
+  """
   first = None
-  for eqn, where in _graph.upstream(site.audit.graphs, loc):
+  wide = lambda atom: _wide(_jaxpr.dtype_of(atom))
+  for eqn, where in _graph.upstream(site.audit.graphs, loc, wide):
     if eqn.primitive.name != "convert_element_type":
       continue
     src = _jaxpr.dtype_of(eqn.invars[0])
