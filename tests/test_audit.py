@@ -674,6 +674,96 @@ def test_fp32_matmul_with_one_float32_operand_names_the_operand():
   assert not audit(scaled_attention, q, k, v, 0.25, audit_config=config)
 
 
+def flax_attention(q, k, v):
+  q = q * np.float32(0.25)  # <flax-promoting-scale>
+  return nn.dot_product_attention(q, k, v)  # <flax-dot-product-attention>
+
+
+class RematAttention(nn.Module):
+  @nn.compact
+  def __call__(self, q, k, v):
+    return nn.dot_product_attention(q, k, v)  # <remat-attention>
+
+
+class ScaledRematAttention(nn.Module):
+  @nn.compact
+  def __call__(self, q, k, v):
+    q = q * np.float32(0.25)  # <remat-promoting-scale>
+    return nn.remat(RematAttention)()(q, k, v)
+
+
+def test_fp32_matmul_names_the_promotion_behind_flaxs_cast_of_both_operands():
+  q = k = v = jnp.ones((1, 4, 2, 8), BF16)
+  config = AuditConfig(compute_dtype="bfloat16", checks=["fp32_matmul"])
+  qkv = "float32[1,4,2,8]"
+  # Flax's promote_dtype casts k and v to the promoted query's float32 before each einsum.
+  report = audit(flax_attention, q, k, v, audit_config=config)
+  assert [(f.location.line, f.operands) for f in report] == [
+    (line_of("flax-dot-product-attention"), (qkv, qkv)),
+    (line_of("flax-dot-product-attention"), (qkv, "float32[1,2,4,4]")),
+  ], str(report)
+  where = lambda marker, fn: jl.SourceLocation(__file__, line_of(marker), fn)
+  promoted = (
+    f"promoted from bfloat16 to float32 by mul at {where('flax-promoting-scale', 'flax_attention')}"
+    ": its other operand is float32"
+  )
+  attention = where("flax-dot-product-attention", "flax_attention")
+  scaled = f"comes from div at {attention}, computed from a value"
+  scores, values = (f.message for f in report)
+  assert scores.startswith(
+    f"dot_general with float32 operands while the compute dtype is bfloat16: the rhs ({qkv}) is "
+    f"cast up from bfloat16 to match the float32 lhs ({qkv}), as JAX and Flax promote mixed "
+    "operands"
+  ), scores
+  assert f"The lhs {scaled} {promoted}" in scores
+  # The probabilities are float32 because the scores are: the same multiply is named.
+  assert f"the lhs ({qkv}) is cast up from bfloat16 to match the float32 rhs" in values
+  assert f"The rhs {scaled} {promoted}" in values
+  assert "dtype=" not in scores + values  # no layer's dtype= is to blame
+  # Cast by hand, the operands have no promotion to name: the dtype= / explicit cast message.
+  # So do operands cast by hand from a 16-bit value that an earlier promotion made (and a
+  # cast narrowed back): the float32 chain begins at the cast.
+  by_hand = lambda q, k, v: flax_attention(q.astype(F32), k.astype(F32), v.astype(F32))
+  narrowed = lambda q, k, v: by_hand(flax_attention(q, k, v).astype(BF16), k, v)
+  for fn in (by_hand, narrowed):
+    last_two = audit(fn, q, k, v, audit_config=config).findings[-2:]
+    assert [f.message.split(":")[0] for f in last_two] == [
+      "dot_general with float32 operands while the compute dtype is bfloat16"
+    ] * 2
+    assert all(
+      "A layer built with dtype=jnp.float32 (or an explicit" in f.message for f in last_two
+    )
+  # A Python scalar is weakly typed and keeps the query in bfloat16.
+  assert not audit(
+    lambda q, k, v: nn.dot_product_attention(q * 0.25, k, v), q, k, v, audit_config=config
+  )
+
+
+def test_fp32_matmul_follows_an_operand_out_of_nn_remat():
+  q = k = v = jnp.ones((1, 4, 2, 8), BF16)
+  model = ScaledRematAttention()
+  variables = model.init(jax.random.key(0), q, k, v)
+  config = AuditConfig(compute_dtype="bfloat16", checks=["fp32_matmul"])
+  report = audit(model.apply, variables, q, k, v, audit_config=config)
+  scope = "ScaledRematAttention/CheckpointRematAttention_0"
+  assert [(f.location.line, f.scope.split("/...")[0]) for f in report] == [
+    (line_of("remat-attention"), scope)
+  ] * 2, str(report)
+  # The query is an input of the checkpoint's jaxpr: followed out to the multiply before it.
+  where = lambda marker, fn: jl.SourceLocation(__file__, line_of(marker), fn)
+  scale = where("remat-promoting-scale", "ScaledRematAttention.__call__")
+  attention = where("remat-attention", "RematAttention.__call__")
+  for finding, side in zip(report, ("lhs", "rhs"), strict=True):
+    assert (
+      f"The {side} comes from div at {attention}, computed from a value promoted from bfloat16 "
+      f"to float32 by mul at {scale}: its other operand is float32"
+    ) in finding.message
+  # An input of the audited function, under jax.checkpoint: named as such.
+  x16, w32 = jnp.ones((2, 8), BF16), jnp.ones((8, 4), F32)
+  (finding,) = audit(jax.checkpoint(lambda x, w: x @ w), x16, w32, audit_config=config)
+  assert "The rhs is an input of the traced function. " in finding.message, finding.message
+
+
 def test_fp32_matmul_names_a_float32_rhs_and_convolution_input():
   x16, w32 = jnp.ones((2, 8), BF16), jnp.ones((8, 4), F32)
   config = AuditConfig(compute_dtype="float16", formats=["float16"])
@@ -712,6 +802,23 @@ def test_fp32_matmul_takes_the_compute_dtype_from_the_functions_policy():
   ]:
     (finding,) = audit(fn, *args)
     assert (finding.check, finding.dtype) == ("fp32_matmul", "bfloat16")
+
+  # The function's policy judges it, not one among the arguments (the step's model's policy).
+  @functools.wraps(apply_fn)
+  def with_a_policy_argument(x, w, policy):
+    del policy
+    return apply_fn(x, w)
+
+  (finding,) = audit(with_a_policy_argument, x, w, jl.get_policy("p=f32,c=f16,o=f32"))
+  assert finding.dtype == "bfloat16"
+  assert finding.message.endswith(
+    "It is judged by the audited function's policy p=f32,c=bf16,o=f32 (its policy attribute). "
+    "A layer built with dtype=jnp.float32 (or an explicit cast to float32) keeps its dtype under "
+    "a policy: build it with the default dtype=None so the policy decides. If it is meant to stay "
+    "in float32 (an fp32 override, e.g. the default one of nn.Embed, whose attend() is a matmul), "
+    "allow it (allow_scopes / allow_locations)."
+  ), finding.message
+  assert "arguments carry" not in finding.message
   # An explicit compute_dtype wins; a float32 policy asks for float32 matmuls.
   assert not audit(apply_fn, x, w, audit_config=AuditConfig(compute_dtype="float32"))
   apply_fn.policy = jl.get_policy("float32")

@@ -198,6 +198,60 @@ def test_a_float32_matmul_outside_the_policy_is_named_as_outside_it():
   )
 
 
+def fp32_orthogonalized_sgd():
+  """SGD on ``g @ g.T @ g``: an optimizer whose update runs float32 matmuls on purpose (the
+  shape of Muon's Newton-Schulz iterations and Shampoo's preconditioners)."""
+
+  def update(updates, state, params=None):
+    del params
+    f32 = lambda g: (g @ g.T @ g if g.ndim == 2 else g).astype(jnp.float32)  # <update-fp32>
+    return jax.tree.map(f32, updates), state
+
+  return optax.chain(
+    optax.GradientTransformation(lambda p: optax.EmptyState(), update), optax.sgd(0.1)
+  )
+
+
+def policy_state_step(apply_fn, tx):
+  state = jlf.TrainState.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx, policy=BF16_POLICY)
+
+  @jax.jit
+  def step(state, x):
+    loss_fn = lambda p: cross_entropy(apply_fn(state)({"params": p}, x))
+    loss, grads = state.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return step, state
+
+
+@pytest.mark.parametrize("optimizer", ["fp32_orthogonalized_sgd", "muon"])
+def test_an_optimizers_own_float32_matmuls_are_not_a_bypassed_policy(optimizer):
+  tx = fp32_orthogonalized_sgd() if optimizer != "muon" else optax.contrib.muon(0.1)
+  # Through the policy, a model whose layers follow it: the update's matmuls are the optimizer's.
+  model = KeptMLP(kept_dtype=None)
+  step, state = policy_state_step(lambda s: jlf.policy_apply(model, s.policy), tx)
+  assert not jl.audit(step, state, X)
+  # A step that bypasses the policy: the model's matmuls are reported, the update's are not.
+  step, state = policy_state_step(lambda s: MODEL.apply, tx)
+  report = jl.audit(step, state, X)
+  assert [(f.check, f.dtype, f.scope, f.operands) for f in report] == [
+    ("fp32_matmul", "bfloat16", "jvp(KeptMLP)/Dense_0", ("float32[4,3]", "float32[3,8]")),
+    ("fp32_matmul", "bfloat16", "jvp(KeptMLP)/Dense_1", KEPT),
+    ("fp32_matmul", "bfloat16", "jvp(KeptMLP)/Dense_2", ("float32[4,8]", "float32[8,2]")),
+  ], str(report)
+  # An explicit compute dtype judges the whole program: the update's matmuls (two per kernel;
+  # Muon's Newton-Schulz iterations, three per kernel), in the optimizer's code.
+  config = jl.AuditConfig(compute_dtype="bfloat16", checks=["fp32_matmul"])
+  step, state = policy_state_step(lambda s: jlf.policy_apply(model, s.policy), tx)
+  report = jl.audit(step, state, X, audit_config=config)
+  where = [(f.library_location or f.location).function for f in report]
+  if optimizer == "muon":
+    assert where == ["_base_newton_schulz_iteration"] * 9, str(report)
+  else:
+    assert where == ["fp32_orthogonalized_sgd.<locals>.update.<locals>.<lambda>"] * 6, str(report)
+    assert {f.location.line for f in report} == {line_of("update-fp32")}
+
+
 class NnxKept(nnx.Module):
   def __init__(self, rngs):
     self.hidden = nnx.Linear(3, 8, rngs=rngs)

@@ -37,12 +37,14 @@ What it looks for (the ``check`` of a :class:`Finding`):
                           operations (``exp``, powers, sums of 1024 or more values of
                           unknown range, and means of them), unclipped casts to fp8
 ``fp32_matmul``           a forward-pass ``dot_general``/``conv`` with a float32 operand
-                          while the compute dtype is 16/8-bit: both operands (a layer built
-                          with ``dtype=jnp.float32`` under a bf16 policy), or one, which
-                          JAX promotes the other to (``q * np.float32(0.25)``), naming it;
-                          outside the policy a step's arguments carry, the step bypassing
-                          it (``model.apply`` instead of ``state.apply_fn``). Only with a
-                          known compute dtype (see below)
+                          while the compute dtype is 16/8-bit. Both operands may be float32
+                          (a layer built with ``dtype=jnp.float32`` under a bf16 policy), or
+                          one, which JAX (or Flax's ``promote_dtype``) promotes the other to:
+                          the finding names the op that widened it (``q * np.float32(0.25)``).
+                          A float32 matmul of the model outside every policy scope, while
+                          the step's arguments carry a policy, is reported as a step that
+                          bypasses the policy (``model.apply`` instead of
+                          ``state.apply_fn``). Only with a known compute dtype (see below)
 ========================  ==================================================================
 
 The compute dtype a matmul is judged by (:mod:`jmp_lite._audit._policies`):
@@ -53,7 +55,9 @@ which the jaxpr keeps through ``jit``, ``grad``, ``scan`` and ``remat``, so a
 whole training step needs no configuration; outside such scopes, the policy of
 the audited function (``policy_apply``'s ``policy`` attribute) or the first
 :class:`~jmp_lite.Policy` among its arguments (a ``jmp_lite.flax.TrainState``'s
-``policy`` field).
+``policy`` field). In a program that differentiates, these two judge only what
+``jax.grad`` differentiates: an optimizer's update may run float32 matmuls on
+purpose (Muon's Newton-Schulz iterations, Shampoo).
 
 A reduction is *long* from :attr:`AuditConfig.long_reduction` values on, by
 default :math:`1/\epsilon` of the format (128 for bfloat16, 1024 for float16):

@@ -110,7 +110,8 @@ def audit(
       trace), else by ``fn.policy`` (a :class:`~jmp_lite.Policy`, looked up
       through ``jax.jit`` and ``functools.partial``), else by the first
       ``Policy`` among the arguments (a ``jmp_lite.flax.TrainState``'s
-      ``policy`` field included).
+      ``policy`` field included); in a step that differentiates, these two
+      judge only what ``jax.grad`` differentiates, not the optimizer's update.
     **kwargs: its keyword arguments.
 
   Returns:

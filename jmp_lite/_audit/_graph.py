@@ -8,8 +8,8 @@ re-type values. Every search is bounded, so a large model stays linear.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, NamedTuple
 
 from jmp_lite import _jaxpr
 
@@ -147,6 +147,91 @@ class GraphCache:
     if entry is None or entry[0] is not jaxpr:
       entry = self._graphs[id(jaxpr)] = (jaxpr, Graph(jaxpr))
     return entry[1]
+
+
+class Call(NamedTuple):
+  """A call (``jit``, ``scan``, ``checkpoint``...) whose jaxpr holds the values looked at."""
+
+  graph: Graph  # the graph of the jaxpr that holds the call
+  eqn: Any  # the calling equation
+  jaxpr: Any  # the called jaxpr
+  # The call's operand bound to each input of ``jaxpr`` (None where the binding is unknown).
+  bindings: tuple[Any, ...]
+
+
+class Located(NamedTuple):
+  """A variable, the graph of its jaxpr, and the calls that jaxpr is nested in (outermost first)."""
+
+  graph: Graph
+  atom: Any
+  calls: tuple[Call, ...] = ()
+
+
+def defining(loc: Located) -> tuple[Located, Any | None]:
+  """Where a variable is computed: an input of a called jaxpr is the operand its call binds.
+
+  Args:
+    loc: the variable.
+
+  Returns:
+    ``(where, producer)``: the variable (in the outermost jaxpr it can be
+    followed out to) and the equation that computes it there, or None for a
+    literal or an input that is not followed further (of the audited jaxpr:
+    ``where.calls`` is then empty; else of the call ``where.calls[-1]``).
+  """
+  for _ in range(len(loc.calls) + 1):
+    if _jaxpr.is_literal(loc.atom):
+      return loc, None
+    eqn = loc.graph.producer.get(loc.atom)
+    if eqn is not None or not loc.calls:
+      return loc, eqn
+    call = loc.calls[-1]
+    invars = list(call.jaxpr.invars)
+    operand = call.bindings[invars.index(loc.atom)] if loc.atom in invars else None
+    if operand is None:
+      return loc, None
+    loc = Located(call.graph, operand, loc.calls[:-1])
+  return loc, None
+
+
+def upstream(
+  graphs: GraphCache,
+  loc: Located,
+  follow: Callable[[Any], bool] = lambda atom: True,
+  limit: int = 64,
+) -> Iterator[tuple[Any, Located]]:
+  """The equations a variable is computed from, nearest first, across the calls on the way.
+
+  Follows the operands back (those ``follow`` accepts): out of a called jaxpr
+  to its call's operands, and into a call that computes an operand
+  (``jnp.var``'s ``jit``) to the equations that compute it inside.
+
+  Args:
+    graphs: the graphs of the jaxprs met on the way.
+    loc: the variable.
+    follow: whether to look at what an operand is computed from.
+    limit: the most variables visited.
+
+  Yields:
+    ``(equation, where)``: each equation (calls excepted) with the
+    :class:`Located` of its operands' jaxpr.
+  """
+  todo = [loc]
+  seen: set[tuple[int, Any]] = set()
+  while todo and len(seen) < limit:
+    where, eqn = defining(todo.pop(0))
+    if eqn is None or (id(where.graph), where.atom) in seen:
+      continue
+    seen.add((id(where.graph), where.atom))
+    inner = [sub for sub in _jaxpr.sub_jaxprs(eqn) if sub.returns_outputs]
+    if inner and len(where.calls) < 8:
+      (sub,) = inner
+      out = sub.jaxpr.outvars[list(eqn.outvars).index(where.atom)]
+      call = Call(where.graph, eqn, sub.jaxpr, sub.bindings)
+      todo.append(Located(graphs(sub.jaxpr), out, (*where.calls, call)))
+      continue
+    yield eqn, where
+    todo.extend(Located(where.graph, a, where.calls) for a in eqn.invars if follow(a))
 
 
 def reduction_origin(graphs: GraphCache, graph: Graph, atom: Any) -> tuple[Any, list[Any]]:

@@ -13,13 +13,21 @@ traced. The audit knows four sources, in this order:
    (``jmp_lite.flax.TrainState.policy``, a static field). Outside every
    policy scope a float32 matmul then means that the step ran the model
    without its policy.
+
+Sources 3 and 4 say what the *model* computes in, so in a program that
+differentiates (a training step) they judge only the equations that
+``jax.grad`` differentiates (the forward pass of the loss: ``jvp(...)`` in
+their name stacks), not what the step does with the gradients: an
+optimizer's update may run float32 matmuls on purpose (the Newton-Schulz
+iterations of Muon, Shampoo's preconditioners). A program that
+differentiates nothing (a forward pass) is judged by them throughout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -76,7 +84,7 @@ def _children(node: Any) -> list[Any]:
     # in a static field, which flattening the state would drop.
     return [getattr(node, f.name, None) for f in dataclasses.fields(node)]
   children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
-  return [] if treedef.num_nodes == 1 else children
+  return [] if jax.tree_util.treedef_is_leaf(treedef) else children
 
 
 def policies_in(tree: Any) -> tuple[Policy, ...]:
@@ -96,7 +104,8 @@ def policies_in(tree: Any) -> tuple[Policy, ...]:
     The distinct policies found, first seen first.
   """
   found: dict[Policy, None] = {}
-  todo, seen = [tree], set()
+  todo: list[Any] = [tree]
+  seen: set[int] = set()
   while todo and len(seen) < _MAX_NODES:
     node = todo.pop()
     if node is None or id(node) in seen or isinstance(node, (jax.Array, np.ndarray)):
@@ -114,6 +123,19 @@ def policies_in(tree: Any) -> tuple[Policy, ...]:
   return tuple(found)
 
 
+def _any_name_stack(jaxpr: Any, predicate: Callable[[str], bool]) -> bool:
+  """Whether the name stack of an equation of ``jaxpr`` or of its nested jaxprs satisfies
+  ``predicate``."""
+  todo = [jaxpr]
+  while todo:
+    for eqn in todo.pop().eqns:
+      info = eqn.source_info
+      if info is not None and predicate(str(info.name_stack)):
+        return True
+      todo.extend(sub.jaxpr for sub in _jaxpr.sub_jaxprs(eqn))
+  return False
+
+
 def marks_policy(jaxpr: Any) -> bool:
   """Whether any equation of ``jaxpr`` or of its nested jaxprs runs in a policy scope.
 
@@ -123,11 +145,17 @@ def marks_policy(jaxpr: Any) -> bool:
   Returns:
     True when some name stack holds a policy scope's mark.
   """
-  todo = [jaxpr]
-  while todo:
-    for eqn in todo.pop().eqns:
-      info = eqn.source_info
-      if info is not None and innermost_policy(str(info.name_stack)) is not None:
-        return True
-      todo.extend(sub.jaxpr for sub in _jaxpr.sub_jaxprs(eqn))
-  return False
+  return _any_name_stack(jaxpr, lambda name: innermost_policy(name) is not None)
+
+
+def differentiates(jaxpr: Any) -> bool:
+  """Whether ``jaxpr`` (or a nested jaxpr) differentiates something: ``jax.grad``, ``jax.vjp``.
+
+  Args:
+    jaxpr: a ``jax.extend.core.Jaxpr``.
+
+  Returns:
+    True when some name stack holds ``jvp(`` or ``transpose(``, as JAX writes
+    the equations of a differentiated function.
+  """
+  return _any_name_stack(jaxpr, lambda name: "jvp(" in name or "transpose(" in name)

@@ -26,7 +26,7 @@ import numpy as np
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _jaxpr
 from jmp_lite._audit import _source
-from jmp_lite._audit._graph import Graph, GraphCache
+from jmp_lite._audit._graph import Call, Graph, GraphCache
 from jmp_lite._audit._policies import ComputePolicy
 from jmp_lite._audit._ranges import Range
 from jmp_lite._policy import Policy
@@ -42,6 +42,7 @@ class AuditContext:
     function_policy: the audited function's ``policy`` attribute, or None.
     argument_policies: the policies among the audited function's arguments.
     marked: whether the program runs anything in a policy scope.
+    differentiates: whether the program differentiates anything (``jax.grad``).
     long_reduction: the ``reduction`` check's length threshold, or None for 1/eps.
     long_contraction: the ``matmul`` check's threshold (``"as_written"``), or None.
     matmul_accumulation: ``"assume_fp32"`` or ``"as_written"``.
@@ -54,6 +55,7 @@ class AuditContext:
   function_policy: Policy | None
   argument_policies: tuple[Policy, ...]
   marked: bool
+  differentiates: bool
   long_reduction: int | None
   long_contraction: int | None
   matmul_accumulation: str
@@ -73,18 +75,22 @@ class AuditContext:
 
     Returns:
       The configured compute dtype, else that of the policy scope around the
-      equation, of the audited function's policy, or of the first policy
-      among the arguments; None when there is none or it is not an audited
-      16/8-bit format.
+      equation, else (for an equation ``jax.grad`` differentiates, or any
+      equation of a program that differentiates nothing) that of the audited
+      function's policy or of the first policy among the arguments; None when
+      there is none or it is not an audited 16/8-bit format.
     """
     if self.compute_dtype is not None:
       audited = self.compute_dtype in self.formats
       return ComputePolicy(self.compute_dtype, "config", None) if audited else None
-    for source, policy in (
-      ("scope", origin.policy),
-      ("function", self.function_policy),
-      ("arguments", self.argument_policies[0] if self.argument_policies else None),
-    ):
+    candidates: list[tuple[str, Policy | None]] = [("scope", origin.policy)]
+    # The function's and the arguments' policies say what the model computes in, not what the
+    # step does with its gradients: an optimizer may run float32 matmuls on purpose (Muon's
+    # Newton-Schulz iterations, Shampoo), outside what jax.grad differentiates.
+    if origin.differentiated or not self.differentiates:
+      first_argument = self.argument_policies[0] if self.argument_policies else None
+      candidates += [("function", self.function_policy), ("arguments", first_argument)]
+    for source, policy in candidates:
       if policy is not None:
         dtype = np.dtype(policy.compute_dtype)
         return ComputePolicy(dtype, source, policy) if dtype in self.formats else None
@@ -116,6 +122,7 @@ class Site(NamedTuple):
   ranges: Sequence[Range]  # its operands' value ranges
   origin: _source.Origin  # its scope, source line, forward or backward pass
   audit: AuditContext
+  calls: tuple[Call, ...] = ()  # the calls its jaxpr is nested in, outermost first
 
   def derivative_of(self) -> str | None:
     """None when the user's code wrote the equation; else the operation whose

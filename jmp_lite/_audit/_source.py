@@ -2,23 +2,21 @@
 
 JAX records a traceback and a name stack on every equation. :class:`FrameFilter`
 sorts a traceback's files into JAX internals, other libraries and the user's
-code, to name the user's line; it also reads, from the same frames, whether a
-derivative rule created the operation. :class:`Origin` is what the walk carries
+code (:mod:`jmp_lite._frames`, which jmp_lite's warnings use too), to name the
+user's line; it also reads, from the same frames, whether a derivative rule
+created the operation. :class:`Origin` is what the walk carries
 down into nested jaxprs.
 """
 
 from __future__ import annotations
 
 import os
-import pathlib
-import sysconfig
 from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import jax
-import jaxlib
 
-from jmp_lite import _jaxpr
+from jmp_lite import _frames, _jaxpr
 from jmp_lite._audit._report import SourceLocation
 from jmp_lite._policy import Policy
 from jmp_lite._policy_scope import innermost_policy, without_marks
@@ -41,8 +39,6 @@ _JAX_PLUMBING = frozenset(
 )
 _JAX_AD = "_src/interpreters/ad.py"  # the JVP/linearize trace that runs derivative rules
 _JAX_CUSTOM_RULES = "_src/custom_derivatives.py"  # custom_jvp/custom_vjp: rules users write
-# jmp_lite itself counts as a library: a finding names the line that called it.
-_JMP_LITE = str(pathlib.Path(__file__).resolve().parents[1])
 
 
 def _bare_name(function_name: str) -> str | None:
@@ -58,58 +54,17 @@ def _binds(function_name: str, primitive: str) -> bool:
   return bool(name) and (name.startswith(primitive) or primitive.startswith(name))
 
 
-def _directory(path: str) -> str:
-  return os.path.join(os.path.realpath(path), "")
-
-
-class FrameFilter:
-  """Classifies source files: JAX internals, other libraries, or the user's code.
+class FrameFilter(_frames.SourceFiles):
+  """Classifies source files (:class:`jmp_lite._frames.SourceFiles`) and reads tracebacks.
 
   Args:
     library_paths: extra directories whose files count as library code.
   """
 
   def __init__(self, library_paths: Collection[str]):
-    self._internal = tuple(
-      _directory(os.path.dirname(str(m.__file__)))
-      for m in (jax, jaxlib)
-      if getattr(m, "__file__", None)
-    )
-    self._jax = _directory(os.path.dirname(str(jax.__file__)))
+    super().__init__(library_paths)
+    self._jax = os.path.join(os.path.realpath(os.path.dirname(str(jax.__file__))), "")
     self._jax_files: dict[str, str | None] = {}
-    stdlib = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} - {None}
-    self._stdlib = tuple(_directory(str(p)) for p in stdlib)
-    self._libraries = (*(_directory(p) for p in library_paths), _directory(_JMP_LITE))
-    self._cache: dict[str, str] = {}
-
-  def kind(self, filename: str) -> str:
-    """Classifies a source file.
-
-    Args:
-      filename: a frame's file name.
-
-    Returns:
-      ``"internal"`` (JAX, the standard library), ``"library"`` or ``"user"``.
-    """
-    kind = self._cache.get(filename)
-    if kind is None:
-      kind = self._cache[filename] = self._classify(filename)
-    return kind
-
-  def _classify(self, filename: str) -> str:
-    if filename.startswith("<frozen"):
-      return "internal"
-    if filename.startswith("<"):  # <string>, <stdin>, notebooks: the user's code
-      return "user"
-    path = os.path.realpath(filename)
-    if path.startswith(self._internal):
-      return "internal"
-    parts = path.split(os.sep)
-    if "site-packages" in parts or "dist-packages" in parts or path.startswith(self._libraries):
-      return "library"
-    if path.startswith(self._stdlib):
-      return "internal"
-    return "user"
 
   def locate(self, traceback: Any) -> tuple[SourceLocation | None, SourceLocation | None]:
     """Finds the user's line and the library's line in a JAX traceback.

@@ -18,7 +18,7 @@ import numpy as np
 
 from jmp_lite import _jaxpr
 from jmp_lite._audit import _config, _policies, _ranges, _registry, _source
-from jmp_lite._audit._graph import GraphCache
+from jmp_lite._audit._graph import Call, Graph, GraphCache
 from jmp_lite._audit._ranges import UNKNOWN, Range
 from jmp_lite._audit._report import Finding
 from jmp_lite._policy import Policy
@@ -39,6 +39,7 @@ def _context(
     function_policy=function_policy,
     argument_policies=argument_policies,
     marked=_policies.marks_policy(jaxpr),
+    differentiates=_policies.differentiates(jaxpr),
     long_reduction=config.long_reduction,
     long_contraction=config.long_contraction,
     matmul_accumulation=config.matmul_accumulation,
@@ -57,9 +58,15 @@ class _Walker:
     self.num_operations = 0
 
   def visit(
-    self, jaxpr: Any, consts: Sequence[Any], in_ranges: Sequence[Range], origin: _source.Origin
+    self,
+    jaxpr: Any,
+    consts: Sequence[Any],
+    in_ranges: Sequence[Range],
+    origin: _source.Origin,
+    calls: tuple[Call, ...] = (),
   ) -> list[Range]:
-    """Checks the equations of ``jaxpr``; returns the ranges of its outputs."""
+    """Checks the equations of ``jaxpr`` (nested in ``calls``); returns the ranges of its
+    outputs."""
     graph = self.audit.graphs(jaxpr)
     env: dict[Any, Range] = {}
     for v, c in zip(jaxpr.constvars, consts, strict=False):
@@ -78,21 +85,24 @@ class _Walker:
       here = _source.origin_of(origin, eqn, self.audit.frames)
       ranges = [rng(a) for a in eqn.invars]
       if id(eqn) not in covered:
-        self._check(_registry.Site(eqn, graph, ranges, here, self.audit), covered)
-      outs = self._visit_nested(eqn, rng, here)
+        self._check(_registry.Site(eqn, graph, ranges, here, self.audit, calls), covered)
+      outs = self._visit_nested(eqn, rng, here, graph, calls)
       if outs is None:
         outs = [_ranges.transfer(eqn, graph, ranges)] * len(eqn.outvars)
       for v, r in zip(eqn.outvars, outs, strict=False):
         env[v] = r
     return [rng(v) for v in jaxpr.outvars]
 
-  def _visit_nested(self, eqn: Any, rng: Any, origin: _source.Origin) -> list[Range] | None:
+  def _visit_nested(
+    self, eqn: Any, rng: Any, origin: _source.Origin, graph: Graph, calls: tuple[Call, ...]
+  ) -> list[Range] | None:
     """Visits the sub-jaxprs of ``eqn``; the ranges of its results when they tell them."""
     outs = None
     branches = []
     for sub in _jaxpr.sub_jaxprs(eqn):
       inner_in = [UNKNOWN if b is None else rng(b) for b in sub.bindings]
-      inner_out = self.visit(sub.jaxpr, sub.consts, inner_in, origin)
+      call = Call(graph, eqn, sub.jaxpr, sub.bindings)
+      inner_out = self.visit(sub.jaxpr, sub.consts, inner_in, origin, (*calls, call))
       if sub.returns_outputs:
         outs = inner_out
       elif eqn.primitive.name == "cond" and len(inner_out) == len(eqn.outvars):

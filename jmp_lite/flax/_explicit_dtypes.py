@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import sys
-import types
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import flax
-import jax
 import numpy as np
 
+from jmp_lite import _frames
 from jmp_lite.flax._module_policy import ExplicitDtypeWarning, ModulePolicies, ModulePrecision
 
 
@@ -89,27 +85,9 @@ def explicit_dtype_entry(module: Any, precision: ModulePrecision) -> ExplicitDty
   return ExplicitDtype(cls, dtype, np.dtype(precision.policy_dtype), origin)
 
 
-# The packages whose frames lie between a user's call and the warning: JAX, Flax, jmp_lite.
-_LIBRARY_DIRS = tuple(
-  os.path.dirname(os.path.abspath(path)) + os.sep
-  for path in (jax.__file__, flax.__file__, os.path.dirname(__file__))  # .../jmp_lite/flax
-)
-
-
-def _user_stacklevel(stacklevel: int) -> int:
-  """``stacklevel`` for :func:`warnings.warn` in the caller, moved out of library frames.
-
-  Counted as :func:`warnings.warn` counts from the function calling this one:
-  the frame ``stacklevel`` names, or the first frame above it outside JAX,
-  Flax and jmp_lite. Under ``jax.jit`` or ``jax.eval_shape`` the entry
-  point's caller is JAX's tracing machinery; the frame above it that called
-  the transformed function is the user's.
-  """
-  frame: types.FrameType | None = sys._getframe(stacklevel)  # 0: this function, 1: its caller
-  level = stacklevel
-  while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-    frame, level = frame.f_back, level + 1
-  return stacklevel if frame is None else level
+# Sorts the frames between the user's call and the warning as the audit does: JAX, Flax,
+# Equinox, the standard library and jmp_lite are skipped.
+_FILES = _frames.SourceFiles()
 
 
 _DESCRIBED = {
@@ -129,8 +107,9 @@ def warn_explicit_dtypes(
 
   Nothing is issued unless ``policies.explicit_dtypes`` is ``"warn"``. The
   warning names the user's call: the frame ``stacklevel`` names, or the first
-  one above it outside JAX, Flax and jmp_lite (under ``jax.jit`` or
-  ``jax.eval_shape``, the call of the transformed function).
+  one above it in the user's code, found as the audit finds source lines
+  (:class:`jmp_lite._frames.SourceFiles`: under ``jax.jit``, ``jax.eval_shape``
+  or ``eqx.filter_jit``, the call of the transformed function).
 
   Args:
     policies: what the model runs under.
@@ -160,5 +139,5 @@ def warn_explicit_dtypes(
     "(Flax's default dtype=None follows the policy), or pass explicit_dtypes='policy'; if "
     "the dtypes are deliberate, pass explicit_dtypes='keep' to silence this warning.",
     ExplicitDtypeWarning,
-    stacklevel=_user_stacklevel(stacklevel + 1),
+    stacklevel=_FILES.user_stacklevel(stacklevel + 1),
   )

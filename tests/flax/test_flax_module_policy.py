@@ -2,6 +2,7 @@ import functools
 import inspect
 from typing import Any
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -335,12 +336,13 @@ def _location(record) -> tuple[str, int]:
 # transform(f)(*args) traces f with no frame of this file between the call and JAX.
 @pytest.mark.parametrize(
   "transform",
-  [jax.jit, functools.partial(functools.partial, jax.eval_shape)],
-  ids=["jit", "eval_shape"],
+  [jax.jit, functools.partial(functools.partial, jax.eval_shape), eqx.filter_jit],
+  ids=["jit", "eval_shape", "eqx_filter_jit"],
 )
 def test_explicit_dtype_warning_points_at_the_users_call(transform):
-  # Traced by jax.jit or jax.eval_shape (as MaxText initializes), an entry point is
-  # called by JAX's tracing machinery; the warning names the line that called JAX.
+  # Traced by jax.jit or jax.eval_shape (as MaxText initializes) or eqx.filter_jit, an entry
+  # point is called by JAX's (or Equinox's) tracing machinery; the warning names the line that
+  # called the transform.
   model, x, key = FlaxExamplesModel(), jnp.ones((1, 3)), jax.random.key(0)
   init, apply = jlf.policy_init(model, POLICY), jlf.policy_apply(model, POLICY)
   with pytest.warns(jlf.ExplicitDtypeWarning) as record:
