@@ -38,8 +38,8 @@ class Step(NamedTuple):
 
   ``init(params, tokens)`` builds the state (with whatever runs once before training, e.g. fp8
   calibration), traceable, so that ``jax.jit`` runs it and ``jax.eval_shape`` gives the state's
-  shapes without computing it; ``step(state, tokens)`` returns the next state and the step's loss; it is traced
-  under ``jax.default_matmul_precision(precision)`` when that is set.
+  shapes without computing it; ``step(state, tokens)`` returns the next state and the step's
+  loss; it is traced under ``jax.default_matmul_precision(precision)`` when that is set.
   """
 
   init: Callable[[Any, jax.Array], Any]

@@ -46,24 +46,25 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # keeps libtpu off the GCE met
 # Compile-only: no chip to share, so several processes may load libtpu at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import contextlib
+import json
+import pathlib
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
 
-import flax  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
+import flax
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
 
-import jmp_lite as jl  # noqa: E402
-from benchmarks import _hlo  # noqa: E402
-from benchmarks._gpu_recipes import RECIPES  # noqa: E402
-from benchmarks.memory import TransformerLM  # noqa: E402
+import jmp_lite as jl
+from benchmarks import _hlo
+from benchmarks._gpu_recipes import RECIPES
+from benchmarks.memory import TransformerLM
 
 # The hardware numbers of an H200 SXM (141 GB HBM3e) as XLA's GpuTargetConfigProto text.
 H200_TARGET_CONFIG = """
@@ -193,7 +194,7 @@ def markdown(result: dict[str, Any]) -> str:
       if "error" in row:
         lines.append(f"| {name} | error: {row['error'][:80]} | | | | | | |")
         continue
-      ratio = lambda field: (
+      ratio = lambda field, row=row, reference=reference: (
         f"{row[field] / reference[field]:.3f}" if reference.get(field) else "-"
       )
       large = ", ".join(f"{n}x {shape}" for shape, n in row["large_buffers"].items()) or "-"
@@ -269,10 +270,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   else:
     widths = [int(w) for w in args.widths.split(",")] if args.widths else sorted(SIZES)
     if set(widths) - set(SIZES):
-      raise SystemExit(f"Unknown widths {sorted(set(widths) - set(SIZES))}; accepted: {sorted(SIZES)}.")
+      unknown = sorted(set(widths) - set(SIZES))
+      raise SystemExit(f"Unknown widths {unknown}; accepted: {sorted(SIZES)}.")
     sizes = [(model_config(w, SIZES[w]), BATCH) for w in widths]
-  argv_text = " ".join(argv if argv is not None else __import__("sys").argv[1:])
-  return run(targets, recipes, sizes, pathlib.Path(args.out), "python -m benchmarks.deviceless " + argv_text)
+  words = argv if argv is not None else sys.argv[1:]
+  command = "python -m benchmarks.deviceless " + " ".join(words)
+  return run(targets, recipes, sizes, pathlib.Path(args.out), command)
 
 
 if __name__ == "__main__":

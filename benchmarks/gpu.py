@@ -85,6 +85,7 @@ from benchmarks._gpu_recipes import (
   compile_with,
   fast_compile_options,
   init_params,
+  run_once,
 )
 from benchmarks._gpu_report import fmt, loss_curves, markdown
 

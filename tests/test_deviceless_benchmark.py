@@ -60,7 +60,7 @@ ENTRY %main.1 (x.1: f32[4,8], /*index=1*/big.1: bf16[8192,8192]) -> f32[4,8] {
   %loop = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %out = f32[4,8]{1,0} get-tuple-element(%loop), index=1
 }
-"""
+"""  # noqa: E501
 
 
 def test_kernel_summary_counts_launches_bytes_and_large_buffers():
