@@ -160,6 +160,7 @@ class CharLMTask(common.Task):
 
   name = "charlm"
   metric = "bpc"
+  stages = "embedding, each block, head"
 
   def __init__(self, model_config: ModelConfig, seed: int = 0):
     self.config = model_config

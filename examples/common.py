@@ -241,12 +241,15 @@ class Task:
     model: the linen module (no dtypes in it: the policy is applied from outside).
     mutable: collections ``apply`` updates in training (``("batch_stats",)``).
     metric: ``"accuracy"`` or ``"bpc"`` (bits per character), the headline metric.
+    stages: the model's layer-wise stages in order, in words (``"embedding, each block,
+      head"``), for the tables.
   """
 
   name: str
   model: nn.Module
   mutable: tuple[str, ...] = ()
   metric: str = "accuracy"
+  stages: str
 
   def init_inputs(self) -> tuple[Any, ...]:
     """Example positional inputs for ``model.init``."""

@@ -219,8 +219,9 @@ def _scale_cell(row: dict[str, Any]) -> str:
   return _fmt_scale(row["final_loss_scale"])
 
 
-def table_notes(rows: list[dict[str, Any]], rounds: int, per_round: int) -> str:
-  """What the table's less obvious columns mean (printed under it)."""
+def table_notes(rows: list[dict[str, Any]], rounds: int, per_round: int, stages: str) -> str:
+  """What the table's less obvious columns mean (printed under it); ``stages`` names the
+  layer-wise stages in order (the task's ``stages``)."""
   base = baseline([row["recipe"] for row in rows])
   notes = [
     f"median step ms: median wall time of one training step after compilation, {rounds} x "
@@ -235,7 +236,7 @@ def table_notes(rows: list[dict[str, Any]], rounds: int, per_round: int) -> str:
     "temporaries (memory_analysis())."
   )
   if any(row["final_stage_scales"] for row in rows):
-    notes.append("final loss scale of fp16-layerwise: one per stage, embedding to head.")
+    notes.append(f"final loss scale of fp16-layerwise: one per stage, in order: {stages}.")
   return "\n".join(textwrap.fill(note, 100, subsequent_indent="  ") for note in notes)
 
 
@@ -459,6 +460,19 @@ def _leaf_layers(names: Sequence[str]) -> list[str]:
   ]
 
 
+def validation_top(results: dict[str, Any]) -> float:
+  """The top of the validation panel's y axis.
+
+  It zooms in on the trained part (the untrained first points dwarf the rest) but keeps the
+  last half of every curve's points, and at least three, in view: a quick run has only three.
+  """
+  keep = max(3, min(len(r["val_loss"]) for r in results.values()) // 2)
+  return max(
+    1.5 * max(r["val_loss"][-1] for r in results.values()),
+    1.05 * max(max(r["val_loss"][-keep:]) for r in results.values()),
+  )
+
+
 def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
   """The figures (see the module docstring); returns their paths."""
   import matplotlib
@@ -486,7 +500,7 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
     ax2.plot(r["eval_steps"], r["val_loss"], marker="o", label=name, markersize=3, **_style(name))
   ax1.set_title("training loss (EMA 0.1)")
   ax2.set_title("validation loss")
-  ax2.set_ylim(top=min(ax2.get_ylim()[1], 1.5 * max(r["val_loss"][-1] for r in results.values())))
+  ax2.set_ylim(top=min(ax2.get_ylim()[1], validation_top(results)))
   val = {name: r["val_loss"] for name, r in results.items()}
   for ax, curves in ((ax1, train), (ax2, val)):
     ax.set_xlabel("step")
@@ -546,9 +560,12 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
       skipped = np.zeros(len(dynamic["loss_scale"]), bool)
       skipped[dynamic["skipped"]] = True
       plotting.plot_loss_scale(
-        dynamic["loss_scale"], skipped=skipped, ax=axes[0], title="fp16-dynamic"
+        dynamic["loss_scale"],
+        skipped=skipped,
+        ax=axes.pop(0),
+        title="fp16-dynamic",
+        color=_style("fp16-dynamic")["color"],
       )
-      axes.pop(0).get_lines()[0].set_color(_style("fp16-dynamic")["color"])
     if others:
       ax = axes.pop(0)
       curves = {}
@@ -829,7 +846,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   table = format_table(args.example, rows)
   print()
   print(table)
-  print(table_notes(rows, rounds, per_round))
+  print(table_notes(rows, rounds, per_round, task.stages))
   low_precision = None
   if any(r.name in common.LOW_PRECISION_RECIPES for r in recipes):
     as_dicts = {n: r.as_dict() for n, r in results.items()}

@@ -99,6 +99,7 @@ class DigitsTask(common.Task):
 
   name = "digits"
   metric = "accuracy"
+  stages = "each conv-BatchNorm-ReLU block, the dense head"
   mutable = ("batch_stats",)
 
   def __init__(self, model_config: ModelConfig, seed: int = 0):

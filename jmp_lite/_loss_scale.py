@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
@@ -126,7 +128,7 @@ class LossScale(Protocol):
     fun: Callable[..., Any],
     *,
     has_aux: bool = False,
-    argnums: Any = 0,
+    argnums: Any = None,
     value_and_grad: ValueAndGradTransform = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, Any]]:
     """Like ``value_and_grad(fun)``, with the gradients of the scaled loss.
@@ -136,9 +138,13 @@ class LossScale(Protocol):
       has_aux: as in :func:`jax.value_and_grad`.
       argnums: which argument(s) to differentiate, in the form that
         ``value_and_grad`` takes (e.g. an ``nnx.DiffState`` for
-        :func:`flax.nnx.value_and_grad`).
+        :func:`flax.nnx.value_and_grad`). ``None`` (default): not passed, so
+        the transform's own default applies (the first argument), and
+        transforms that take no ``argnums`` (``eqx.filter_value_and_grad``)
+        work.
       value_and_grad: the differentiation transform, with
-        :func:`jax.value_and_grad`'s signature (``fun, argnums, has_aux``).
+        :func:`jax.value_and_grad`'s signature (``fun, argnums, has_aux``;
+        ``argnums`` only when given).
 
     Returns:
       A function with ``fun``'s signature returning ``(value, scaled_grads)``:
@@ -178,7 +184,7 @@ class _UniformScale:
     fun: Callable[..., Any],
     *,
     has_aux: bool = False,
-    argnums: Any = 0,
+    argnums: Any = None,
     value_and_grad: ValueAndGradTransform = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, Any]]:
     return grad_of_scaled_loss(
@@ -330,7 +336,8 @@ class DynamicLossScale(_UniformScale):
     counter: consecutive finite steps so far, in ``[0, period)``.
     period: finite steps between growths, >= 1.
     factor: growth and back-off factor, > 1 (2 keeps powers of two exact).
-    min_loss_scale: the scale never goes below this.
+    min_loss_scale: the scale never goes below this, a number >= 0 (0, which
+      jmp accepts, warns: the scale can then reach 0 and stay there).
     max_loss_scale: the scale never grows above this (default: no bound but
       finiteness in the scale's dtype).
     hysteresis: back off only after this many consecutive non-finite steps
@@ -364,7 +371,20 @@ class DynamicLossScale(_UniformScale):
     factor = _validation.as_real(self.factor, "factor", "a real number > 1")
     if not (math.isfinite(factor) and factor > 1):
       raise ValueError(f"factor must be finite and > 1, got {self.factor}.")
-    low = _validation.as_bound(self.min_loss_scale, "min_loss_scale", scale.dtype)
+    low = _validation.as_bound(
+      self.min_loss_scale, "min_loss_scale", scale.dtype, allow_zero=True, warn_integer=True
+    )
+    if low == 0:
+      # jmp accepts a zero floor, so code written for it must keep running; the collapse it
+      # allows is silent in training, so say it here.
+      warnings.warn(
+        "min_loss_scale=0: a run of non-finite steps can divide the loss scale down to 0 "
+        "(it underflows), and at 0 every unscaled gradient is 0 * (1/0) = NaN, so every later "
+        "step is skipped and the scale never recovers. Pass a positive floor (the default is "
+        "1.0) to prevent this.",
+        UserWarning,
+        stacklevel=3,  # __post_init__ <- __init__ <- the caller
+      )
     set_("min_loss_scale", low)
     if self.max_loss_scale is not None:
       high = _validation.as_bound(self.max_loss_scale, "max_loss_scale", scale.dtype)
@@ -444,24 +464,108 @@ def grad_of_scaled_loss(
   Args:
     fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
     scale_loss: multiplies the loss by the scale the gradients are to carry.
-    has_aux, argnums, value_and_grad: as in :meth:`LossScale.value_and_grad`.
+    has_aux, argnums, value_and_grad: as in :meth:`LossScale.value_and_grad`
+      (``argnums=None`` is not passed to ``value_and_grad``).
 
   Returns:
     A function with ``fun``'s signature returning ``(value, scaled_grads)``.
+
+  Raises:
+    TypeError: when ``value_and_grad`` rejects the arguments before calling
+      ``fun`` and leaves of the differentiated arguments are not floating-point
+      arrays: the error names each such leaf by its path.
   """
+  entered = []  # whether the transform got as far as calling fun
 
   def scaled_fun(*args, **kwargs):
+    entered.append(True)
     out = fun(*args, **kwargs)
     value, aux = out if has_aux else (out, None)
     return scale_loss(value), (value, aux)
 
-  grad_fn = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+  selection = {} if argnums is None else {"argnums": argnums}
+  grad_fn = value_and_grad(scaled_fun, has_aux=True, **selection)
 
   def value_and_scaled_grad(*args, **kwargs):
-    (_, (value, aux)), grads = grad_fn(*args, **kwargs)
+    entered.clear()
+    try:
+      (_, (value, aux)), grads = grad_fn(*args, **kwargs)
+    except TypeError as error:
+      found = [] if entered else _non_float_leaves(fun, args, argnums)
+      if not found:
+        raise
+      raise TypeError(_non_float_message(value_and_grad, argnums, found)) from error
     return ((value, aux) if has_aux else value), grads
 
   return value_and_scaled_grad
+
+
+def _non_float_leaves(fun: Callable[..., Any], args: tuple, argnums: Any) -> list[str]:
+  """``"path: what"`` for each leaf of the differentiated arguments that is not a float array."""
+  selected = 0 if argnums is None else argnums
+  if isinstance(selected, int) and not isinstance(selected, bool):
+    selected = (selected,)
+  if not (
+    isinstance(selected, tuple)
+    and all(isinstance(i, int) and not isinstance(i, bool) for i in selected)
+  ):
+    return []  # a transform-specific selection (nnx.DiffState...): nothing to name
+  try:
+    names = [
+      p.name
+      for p in inspect.signature(fun).parameters.values()
+      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+  except (TypeError, ValueError):  # no signature (some builtins and C callables)
+    names = []
+  found = []
+  for index in selected:
+    if not -len(args) <= index < len(args):
+      return []
+    index %= len(args)
+    name = names[index] if index < len(names) else f"args[{index}]"
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args[index])[0]:
+      what = _not_float(leaf)
+      if what is not None:
+        found.append(f"{name}{jax.tree_util.keystr(path)}: {what}")
+  return found
+
+
+def _not_float(leaf: Any) -> str | None:
+  """What ``leaf`` is if ``jax.grad`` cannot differentiate it (None if it can)."""
+  if isinstance(leaf, (float, complex)) and not isinstance(leaf, bool):
+    return None
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is not None and not isinstance(leaf, type):
+    try:
+      if jnp.issubdtype(dtype, jnp.inexact):
+        return None
+      return np.dtype(dtype).name
+    except TypeError:  # an extended dtype, e.g. a PRNG key
+      return str(dtype)
+  if isinstance(leaf, (bool, int)):
+    return f"a Python {type(leaf).__name__}"
+  if callable(leaf):
+    kind = type(leaf).__name__
+    return "a function" if kind == "function" else f"a function ({kind})"
+  return f"a {type(leaf).__name__}"
+
+
+def _non_float_message(value_and_grad: Any, argnums: Any, found: list[str]) -> str:
+  module = getattr(value_and_grad, "__module__", None) or ""
+  transform = (
+    ".".join(filter(None, [module.split(".")[0], getattr(value_and_grad, "__qualname__", None)]))
+    or type(value_and_grad).__name__
+  )
+  shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+  which = "the first argument" if argnums is None else f"argnums={argnums!r}"
+  return (
+    f"{transform} differentiates every leaf of {which}, and accepts only floating-point or "
+    f"complex arrays (and Python floats), but these leaves are not: {shown}. For an Equinox "
+    "module pass value_and_grad=eqx.filter_value_and_grad (it differentiates the "
+    "floating-point arrays and leaves the rest); otherwise move the other leaves into an "
+    "argument that argnums does not select (e.g. with eqx.partition)."
+  )
 
 
 def uniform_scale_value(loss_scale: Any, *, instead: str) -> jax.Array:

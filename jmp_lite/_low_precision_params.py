@@ -150,7 +150,7 @@ def low_precision_params(
       inner_state=_store(inner_state, state_dtype, "nearest", None),
       steps=jnp.zeros((), jnp.int32),
       # A copy: a step that donates the state must not delete this transformation's key.
-      key=jnp.array(jax.random.key_data(key), copy=True),
+      key=_tree_util.copy_arrays(jax.random.key_data(key)),
       residual=_initial_residual(params, method),
       rounded_away=jnp.zeros((), jnp.int32),
       inexact=jnp.zeros((), jnp.int32),

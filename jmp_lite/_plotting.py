@@ -184,6 +184,7 @@ def plot_loss_scale(
   min_loss_scale: float | None = None,
   ax: Any = None,
   title: str = "loss scale",
+  color: str = "tab:blue",
 ) -> Any:
   """The loss scale over steps (log2 axis), skipped steps marked.
 
@@ -196,6 +197,7 @@ def plot_loss_scale(
       skips is a collapse.
     ax: matplotlib axes to draw on (default: a new figure's).
     title: the axes title.
+    color: the colour of the scale's line (and of its legend entry).
 
   Returns:
     The axes drawn on.
@@ -211,7 +213,7 @@ def plot_loss_scale(
     raise ValueError("history must hold positive finite loss scales.")
   steps = np.arange(scales.size)
   ax = _axes(ax)
-  ax.step(steps, scales, where="post", color="tab:blue", label="loss scale")
+  ax.step(steps, scales, where="post", color=color, label="loss scale")
   if skipped is not None:
     mask = np.asarray(skipped, bool).reshape(-1)
     if mask.shape != scales.shape:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,16 +22,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _tree_util
 from jmp_lite._loss_scale import LossScale, NoOpLossScale
-from jmp_lite._transform import LossScalingState
+from jmp_lite._transform import LossScalingState, loss_scaling_states
 
 
 @dataclasses.dataclass(eq=False)
 class _Recorder:
-  """Host-side record of one run: squared norms of the true gradients."""
+  """Host-side record of one run: squared norms of the true gradients, steps returned."""
 
   from_value_and_grad: list[float] = dataclasses.field(default_factory=list)
   at_update: list[float] = dataclasses.field(default_factory=list)
+  # The `steps` counter of each loss scaling state among the step's outputs.
+  returned_steps: list[int] = dataclasses.field(default_factory=list)
 
   def record(self, where: str):
     def callback(sq_norm):
@@ -124,61 +128,126 @@ def _is_state(x: Any) -> bool:
   return isinstance(x, LossScalingState)
 
 
-def _copy_leaf(x: Any) -> Any:
-  # A step may donate its arguments: the probe runs must not consume the caller's buffers.
-  return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
-
-
 def _check_factor(factor: Any) -> None:
   if not (isinstance(factor, float | int) and 0 < factor < 1 and math.log2(factor).is_integer()):
     raise ValueError(f"factor must be a power of two below 1, got {factor!r}.")
 
 
-def _the_loss_scale(args: tuple, kwargs: dict) -> LossScale:
-  """The loss scale of the one loss scaling state among the step's arguments."""
-  found = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state) if _is_state(x)]
+def _the_loss_scale(args: tuple, kwargs: dict) -> tuple[LossScale, int]:
+  """The loss scale and ``steps`` of the one loss scaling state among the step's arguments."""
+  found = loss_scaling_states((args, kwargs))
   if len(found) != 1:
+    nested = sum(len(loss_scaling_states(x.inner_state)) for x in found)
+    inside = f" ({nested} of them inside another: loss scaling applied twice)" if nested else ""
     raise ValueError(
       f"check_loss_scaling needs exactly one loss scaling state among the step's arguments, "
-      f"found {len(found)}: pass the optimizer state (or TrainState) the step takes."
+      f"found {len(found)}{inside}: pass the optimizer state (or TrainState) the step takes, "
+      "built with a single jl.loss_scaling."
     )
   loss_scale = found[0].loss_scale
   if not isinstance(loss_scale, LossScale):
     raise TypeError(f"The loss scaling state holds {type(loss_scale).__name__}, not a LossScale.")
-  return loss_scale
+  return loss_scale, int(found[0].steps)
 
 
-def _probe_run(step: Callable[..., Any], args: tuple, kwargs: dict, factor: float) -> _Recorder:
-  """Runs ``step`` on copies of its arguments, the loss scale multiplied by ``factor``."""
+def _probe_run(
+  step: Callable[..., Any], args: tuple, kwargs: dict, loss_scale: LossScale, factor: float
+) -> _Recorder:
+  """Runs ``step`` on copies of its arguments, the loss scale ``loss_scale`` times ``factor``."""
   recorder = _Recorder()
 
   def probe(x):
+    # A step may donate its arguments: the probe runs must not consume the caller's buffers.
+    x = _tree_util.copy_arrays(x)
     if _is_state(x):
-      x = jax.tree.map(_copy_leaf, x)
-      return x._replace(loss_scale=_ProbeScale(x.loss_scale, factor, recorder))
-    return _copy_leaf(x)
+      return x._replace(
+        loss_scale=_ProbeScale(_tree_util.copy_arrays(loss_scale), factor, recorder)
+      )
+    return x
 
   probe_args, probe_kwargs = jax.tree.map(probe, (args, kwargs), is_leaf=_is_state)
-  jax.block_until_ready(step(*probe_args, **probe_kwargs))
+  out = jax.block_until_ready(step(*probe_args, **probe_kwargs))
   jax.effects_barrier()
+  recorder.returned_steps = [int(x.steps) for x in loss_scaling_states(out)]
+  if not recorder.at_update:
+    raise ValueError(
+      "The step never called loss_scaling's update with the loss scaling state it was given."
+    )
   return recorder
+
+
+# Runs at most, backing off: from 2^15, a scale far below any the model could need (an inf or
+# NaN in the batch or the model stays at every scale), even with a hysteresis of 2.
+_MAX_RUNS = 64
+
+
+def _fitting_run(
+  step: Callable[..., Any], args: tuple, kwargs: dict, loss_scale: LossScale
+) -> tuple[_Recorder, LossScale]:
+  """The first run, at the largest scale (``loss_scale``, backed off by its own rule) that fits.
+
+  A batch that overflows at the starting scale (2^15 overflows many models' first
+  steps) is what a dynamic scale handles by skipping and backing off: the check
+  does the same, down to the scale's floor.
+  """
+  scale, floor = loss_scale, False
+  for _ in range(_MAX_RUNS):
+    run = _probe_run(step, args, kwargs, scale, 1.0)
+    if math.isfinite(run.at_update[0]):
+      return run, scale
+    lower = scale.adjust(jnp.array(False))
+    floor = _same_state(lower, scale)
+    if floor:
+      break
+    scale = lower
+  start, last = float(loss_scale.loss_scale), float(scale.loss_scale)
+  tried = f"at the loss scale {start:g}" + (f" nor backed off to {last:g}" if last != start else "")
+  why = (
+    "this loss scale goes no lower (a fixed scale, or the floor min_loss_scale): every step "
+    "would be skipped"
+    if floor
+    else "an inf or NaN that stays at every scale is in the batch or the model"
+  )
+  raise ValueError(
+    f"The step's gradients are not finite {tried}, and {why}; the check cannot compare them. "
+    "Run it on a batch without inf or NaN, or with a lower starting scale, e.g. "
+    "opt_state._replace(loss_scale=jl.DynamicLossScale(jnp.float32(2.0 ** 8)))."
+  )
+
+
+def _same_state(a: LossScale, b: LossScale) -> bool:
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(leaves_a) == len(leaves_b) and all(
+    np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True)
+  )
 
 
 def _update_norms(first: _Recorder, second: _Recorder) -> tuple[float, float]:
   """The norms of the true gradients reaching ``update`` in both runs, when comparable."""
-  if not first.at_update or not second.at_update:
-    raise ValueError(
-      "The step never called loss_scaling's update with the loss scaling state it was given."
-    )
   n1, n2 = math.sqrt(first.at_update[0]), math.sqrt(second.at_update[0])
-  if not (math.isfinite(n1) and math.isfinite(n2)):
+  if not math.isfinite(n2):
     raise ValueError(
-      "The step's gradients are not finite at the current loss scale, so the check cannot "
-      "compare them: run it on a batch (or with a loss scale) that does not overflow."
+      "The step's gradients are finite at the loss scale S but not at a smaller one: something "
+      "between the loss and loss_scaling's update does not scale linearly."
     )
   if n1 == 0:
     raise ValueError("The step's gradients are all zero: run the check on a batch that has some.")
   return n1, n2
+
+
+def _check_returned_state(run: _Recorder, steps_before: int) -> None:
+  """Refuses a step that returns the loss scaling state it was given instead of the new one.
+
+  Only a step that returns exactly one state is checked (an NNX step updates
+  its optimizer in place and returns none).
+  """
+  if run.returned_steps == [steps_before]:
+    raise ValueError(
+      "The step returns the loss scaling state it was given, not the one loss_scaling's update "
+      f"returned (its steps counter stayed at {steps_before}): the loss scale never adjusts "
+      "and skipped steps are not counted. Return the opt_state that tx.update returned (or "
+      "the state from state.apply_gradients)."
+    )
 
 
 def _diagnosis(first: _Recorder, n1: float, ratio: float, factor: float) -> str:
@@ -232,6 +301,21 @@ def check_loss_scaling(
   transformation before ``loss_scaling`` (clipping) changes them on the way.
   The arguments are not modified; a jitted step compiles twice more.
 
+  When the gradients overflow at :math:`S` (a first batch at the usual
+  starting scale :math:`2^{15}` often does), the check backs the scale off by
+  its own rule (``adjust``), as training would by skipping steps, and runs at
+  the first scale where they are finite; it fails only when the scale can go
+  no lower (a fixed scale, or a dynamic one at its floor).
+
+  With a :class:`~jmp_lite.NoOpLossScale` the wiring is checked all the same
+  (with :math:`fS = f` in the second run), but a finding is only a warning:
+  scaled and unscaled gradients coincide at a scale of 1, so the step trains
+  as it should; it would not with any other loss scale.
+
+  A step that returns a loss scaling state must return the one ``update``
+  gave it (its ``steps`` counter advanced), or the scale would never adjust
+  and skips would go uncounted.
+
   Run it once on a small batch before training, e.g. in a test::
 
     jl.check_loss_scaling(train_step, params, opt_state, x, y)
@@ -245,17 +329,34 @@ def check_loss_scaling(
     **kwargs: its keyword arguments.
 
   Raises:
-    ValueError: naming the mistake and its fix, with the measured ratio; or
-      when the check cannot run (no or several loss scaling states, ``update``
-      never called, gradients not finite or all zero).
+    ValueError: naming the mistake and its fix, with the measured ratio (or
+      the state returned, when it is the one given); or
+      when the check cannot run (no or several loss scaling states, one inside
+      another counted, ``update`` never called, gradients not finite at any
+      scale the loss scale reaches, or all zero).
     TypeError: when the state holds no :class:`~jmp_lite.LossScale`.
+
+  Warns:
+    UserWarning: with a :class:`~jmp_lite.NoOpLossScale`, for a wiring that
+      would be wrong with any other loss scale.
   """
   _check_factor(factor)
-  loss_scale = _the_loss_scale(args, kwargs)
-  if isinstance(loss_scale, NoOpLossScale):
-    return  # scaled and unscaled gradients coincide, now and later: nothing can go wrong
-  first, second = _probe_run(step, args, kwargs, 1.0), _probe_run(step, args, kwargs, factor)
+  loss_scale, steps_before = _the_loss_scale(args, kwargs)
+  first, loss_scale = _fitting_run(step, args, kwargs, loss_scale)
+  _check_returned_state(first, steps_before)
+  second = _probe_run(step, args, kwargs, loss_scale, factor)
   n1, n2 = _update_norms(first, second)
   ratio = n2 / n1
-  if abs(ratio / factor - 1) > 1e-3:
-    raise ValueError(_diagnosis(first, n1, ratio, factor))
+  if abs(ratio / factor - 1) <= 1e-3:
+    return
+  message = _diagnosis(first, n1, ratio, factor)
+  if not isinstance(loss_scale, NoOpLossScale):
+    raise ValueError(message)
+  # A scale of 1 forever: scaled and unscaled gradients coincide, so the step trains right; the
+  # wiring is still wrong for any other loss scale.
+  warnings.warn(
+    "With NoOpLossScale this step trains as it should (scaled and unscaled gradients "
+    f"coincide), but not with any other loss scale: {message}",
+    UserWarning,
+    stacklevel=2,
+  )

@@ -68,6 +68,53 @@ def _is_loss_scale(x: Any) -> bool:
   return isinstance(x, LossScale)
 
 
+class _LossScaling(optax.GradientTransformationExtraArgs):
+  """What :func:`loss_scaling` returns, recognised so that it is never wrapped twice."""
+
+  __slots__ = ()
+
+
+def nested_loss_scaling_message(given: str, times: int, fix: str | None = None) -> str:
+  """The error for loss scaling applied ``times`` times.
+
+  Args:
+    given: what was given that applies it more than once.
+    times: how many times the gradients would be unscaled.
+    fix: what to do instead (default: apply it once, outermost).
+
+  Returns:
+    The message.
+  """
+  if fix is None:
+    fix = (
+      "Apply loss scaling once, outermost: jl.loss_scaling(optax.chain(..., optimizer), "
+      "loss_scale), or a bare optimizer with loss_scale= in jl.flax.TrainState.create or "
+      "jl.flax.Optimizer."
+    )
+  power = "" if times == 2 else f"^{times - 1}"
+  return (
+    f"{given}: the gradients would be unscaled {times} times, so every update would be "
+    f"1/S{power} of what it should be. {fix}"
+  )
+
+
+def loss_scaling_states(tree: Any) -> list[LossScalingState]:
+  """Every :class:`LossScalingState` in ``tree``, the nested ones included.
+
+  A state inside another's ``inner_state`` (loss scaling applied twice) is
+  counted too, outermost first.
+  """
+  found = []
+  for x in jax.tree.leaves(tree, is_leaf=_is_state):
+    if _is_state(x):
+      found.extend([x, *loss_scaling_states(x.inner_state)])
+  return found
+
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, LossScalingState)
+
+
 def loss_scaling(
   inner: optax.GradientTransformation,
   loss_scale: LossScale,
@@ -102,27 +149,26 @@ def loss_scaling(
 
   Put ``loss_scaling`` outermost (or first in a chain): transformations before
   it would see scaled gradients, and those after it see zero updates on a
-  skipped step but still advance their own state.
+  skipped step but still advance their own state. Apply it once: an ``inner``
+  that applies it already (``loss_scaling(...)`` itself, refused here; a chain
+  or ``MultiSteps`` containing one, refused by ``init``) would unscale the
+  gradients twice. Each ``init`` copies ``loss_scale``'s arrays, so a step that
+  donates one state leaves every later ``init`` its own.
+
+  Raises:
+    TypeError: for an ``inner`` that is no Optax transformation, or a
+      ``loss_scale`` that is no :class:`LossScale`.
+    ValueError: for an ``inner`` that applies loss scaling already.
   """
-  if isinstance(inner, optax.MultiSteps):
-    inner = inner.gradient_transformation()
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(
-      "inner must be an optax.GradientTransformation (or optax.MultiSteps), got "
-      f"{type(inner).__name__}."
-    )
-  if not _is_loss_scale(loss_scale):
-    raise TypeError(
-      "loss_scale must be a jmp_lite.LossScale (NoOpLossScale, StaticLossScale, "
-      f"DynamicLossScale, LayerwiseLossScale), got {type(loss_scale).__name__}."
-    )
-  inner = optax.with_extra_args_support(inner)
+  inner = _checked_arguments(inner, loss_scale)
 
   def init(params):
-    # Distinct buffers per field: a train step may donate its state.
+    inner_state = _refuse_nested(inner.init(params))
+    # Buffers of its own in every field: a train step may donate its state, and the loss
+    # scale given here is the initial state of every later init.
     return LossScalingState(
-      loss_scale=loss_scale,
-      inner_state=inner.init(params),
+      loss_scale=_tree_util.copy_arrays(loss_scale),
+      inner_state=inner_state,
       steps=jnp.zeros((), jnp.int32),
       skipped_steps=jnp.zeros((), jnp.int32),
       consecutive_skips=jnp.zeros((), jnp.int32),
@@ -149,7 +195,44 @@ def loss_scaling(
       last_finite=finite,
     )
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _LossScaling(init, update)
+
+
+def _checked_arguments(inner: Any, loss_scale: Any) -> optax.GradientTransformationExtraArgs:
+  """``inner`` as a transformation taking extra arguments, once the arguments are checked."""
+  if isinstance(inner, optax.MultiSteps):
+    inner = inner.gradient_transformation()
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      "inner must be an optax.GradientTransformation (or optax.MultiSteps), got "
+      f"{type(inner).__name__}."
+    )
+  if not _is_loss_scale(loss_scale):
+    raise TypeError(
+      "loss_scale must be a jmp_lite.LossScale (NoOpLossScale, StaticLossScale, "
+      f"DynamicLossScale, LayerwiseLossScale), got {type(loss_scale).__name__}."
+    )
+  if isinstance(inner, _LossScaling):
+    raise ValueError(
+      nested_loss_scaling_message(
+        "jl.loss_scaling was given inner=jl.loss_scaling(...), which already applies it", 2
+      )
+    )
+  return optax.with_extra_args_support(inner)
+
+
+def _refuse_nested(inner_state: Any) -> Any:
+  """``inner_state``, if it holds no loss scaling state of its own (a chain, ``MultiSteps``)."""
+  nested = len(loss_scaling_states(inner_state))
+  if nested:
+    raise ValueError(
+      nested_loss_scaling_message(
+        "jl.loss_scaling's inner optimizer already applies loss scaling (its state holds "
+        f"{nested} LossScalingState)",
+        nested + 1,
+      )
+    )
+  return inner_state
 
 
 def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
@@ -164,21 +247,22 @@ def get_loss_scaling_state(opt_state: Any) -> LossScalingState:
     The :class:`LossScalingState`.
 
   Raises:
-    ValueError: if there is none, or more than one.
+    ValueError: if there is none, or more than one (one inside another
+      counts: loss scaling applied twice).
   """
-  if isinstance(opt_state, LossScalingState):
-    return opt_state
-  found = [
-    x
-    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScalingState))
-    if isinstance(x, LossScalingState)
-  ]
-  if len(found) != 1:
-    what = "no" if not found else f"{len(found)}"
+  found = loss_scaling_states(opt_state)
+  if not found:
     raise ValueError(
-      f"Found {what} loss_scaling states in the optimizer state of type "
-      f"{type(opt_state).__name__}; expected exactly one. Build the optimizer with "
-      "jl.loss_scaling(inner, loss_scale) and pass its state."
+      f"Found no loss_scaling states in the optimizer state of type {type(opt_state).__name__}; "
+      "expected exactly one. Build the optimizer with jl.loss_scaling(inner, loss_scale) and "
+      "pass its state."
+    )
+  if len(found) > 1:
+    raise ValueError(
+      f"Found {len(found)} loss_scaling states in the optimizer state of type "
+      f"{type(opt_state).__name__}; expected exactly one. Loss scaling applied more than once "
+      "(nested, or side by side) unscales the gradients more than once: build the optimizer "
+      "with a single jl.loss_scaling(inner, loss_scale), outermost."
     )
   return found[0]
 
@@ -207,7 +291,8 @@ def scaled_value_and_grad(
   loss_scale: Any,
   *,
   has_aux: bool = False,
-  argnums: int | tuple[int, ...] = 0,
+  argnums: Any = None,
+  value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like :func:`jax.value_and_grad`, differentiating ``loss_scale * fun``.
 
@@ -216,12 +301,25 @@ def scaled_value_and_grad(
     loss_scale: a loss scale, or an optimizer state containing one (see
       :func:`get_loss_scale`).
     has_aux: as in :func:`jax.value_and_grad`.
-    argnums: as in :func:`jax.value_and_grad`.
+    argnums: as in :func:`jax.value_and_grad`, in the form ``value_and_grad``
+      takes; passed to it only when given (default: its own default, the
+      first argument).
+    value_and_grad: the differentiation transform (default
+      :func:`jax.value_and_grad`); ``eqx.filter_value_and_grad`` differentiates
+      the floating-point arrays of an Equinox module and leaves its other
+      leaves (functions, integers) alone.
 
   Returns:
     A function with ``fun``'s signature returning ``(value, scaled_grads)``:
     ``value`` is the *unscaled* loss (or ``(loss, aux)``); ``scaled_grads`` go
     straight into the :func:`loss_scaling` transformation's ``update``, which
     unscales them.
+
+  Raises:
+    TypeError: when a differentiated leaf is not a floating-point array
+      (``jax.value_and_grad`` of an Equinox module's functions or integers):
+      the error names each such leaf by its path.
   """
-  return get_loss_scale(loss_scale).value_and_grad(fun, has_aux=has_aux, argnums=argnums)
+  return get_loss_scale(loss_scale).value_and_grad(
+    fun, has_aux=has_aux, argnums=argnums, value_and_grad=value_and_grad
+  )

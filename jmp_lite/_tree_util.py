@@ -104,6 +104,25 @@ def split_leaves(
   return [x for x, t in zip(leaves, mask, strict=True) if t], rebuild
 
 
+def copy_arrays(tree: T) -> T:
+  """``tree`` with every JAX array leaf copied into a buffer of its own.
+
+  What an ``init`` builds from an object given at construction (a loss scale,
+  a key) must not share that object's buffers: a step that donates one state
+  would delete them for every other state built from it. The copies keep their
+  shardings, dtypes (typed PRNG keys too) and weak types; under ``jit`` or
+  ``eval_shape`` they are traced like any other op. Other leaves (NumPy
+  arrays, which donation never deletes, and Python values) are kept as they are.
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    ``tree`` with each ``jax.Array`` leaf replaced by a copy.
+  """
+  return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+
+
 def is_array(x: Any) -> bool:
   """Whether ``x`` is a JAX or NumPy array (what a transform traces)."""
   return isinstance(x, (jax.Array, np.ndarray))

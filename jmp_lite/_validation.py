@@ -109,22 +109,41 @@ def as_real(value: Any, name: str, expected: str) -> float:
   return float(array)
 
 
-def as_bound(value: Any, name: str, dtype: np.dtype) -> float:
+def as_bound(
+  value: Any,
+  name: str,
+  dtype: np.dtype,
+  *,
+  allow_zero: bool = False,
+  warn_integer: bool = False,
+) -> float:
   """Converts a static bound to a Python float representable in ``dtype``.
 
   Args:
-    value: a concrete positive finite number.
+    value: a concrete positive finite number (or 0 with ``allow_zero``).
     name: the argument's name, for the error messages.
     dtype: the dtype the bound is compared in.
+    allow_zero: also accept 0 (jmp accepts a zero ``min_loss_scale``).
+    warn_integer: warn, with jmp's wording, when ``value`` is an integer, as
+      jmp's ``DynamicLossScale`` does for ``min_loss_scale``.
 
   Returns:
     ``value`` as a Python float.
   """
   bound = as_real(value, name, "a positive number")
+  if warn_integer and not jnp.issubdtype(np.asarray(value).dtype, jnp.floating):
+    warnings.warn(
+      f"Expected floating type for {name}, got {jnp.asarray(value).dtype}; it is converted "
+      f"to the float {bound}. Pass a float to keep this explicit.",
+      stacklevel=4,  # as_bound <- __post_init__ <- __init__ <- the caller
+    )
   with np.errstate(over="ignore"):
     rounded = float(np.asarray(bound, dtype=dtype))
+  if allow_zero and bound == 0:
+    return 0.0
+  accepted = "a finite number >= 0" if allow_zero else "positive and finite"
   if not (math.isfinite(bound) and bound > 0):
-    raise ValueError(f"{name} must be positive and finite, got {bound}.")
+    raise ValueError(f"{name} must be {accepted}, got {bound}.")
   if not (math.isfinite(rounded) and rounded > 0):
     raise ValueError(
       f"{name}={bound} is not representable in the loss scale's dtype "

@@ -637,6 +637,67 @@ def test_fp32_matmul_needs_a_16_bit_compute_dtype():
   assert not audit(jnp.dot, x, w, audit_config=AuditConfig(compute_dtype="f16", formats=["bf16"]))
 
 
+def scaled_attention(q, k, v, scale):
+  q = q * scale  # <promoting-scale>
+  scores = jnp.einsum("qd,kd->qk", q, k)  # <scores-einsum>
+  probs = jax.nn.softmax(scores.astype(F32)).astype(scores.dtype)  # <fp32-softmax>
+  return jnp.einsum("qk,kd->qd", probs, v)  # <values-einsum>
+
+
+def test_fp32_matmul_with_one_float32_operand_names_the_operand():
+  q = k = v = jnp.ones((4, 8), BF16)
+  config = AuditConfig(compute_dtype="bfloat16")
+  # np.float32(0.25) is not weakly typed: it promotes the query, and both einsums then run
+  # float32 x bfloat16 -> float32.
+  report = audit(scaled_attention, q, k, v, np.float32(0.25), audit_config=config)
+  assert [(f.check, f.dtype, f.location.line, f.operands, f.size) for f in report] == [
+    ("fp32_matmul", "bfloat16", line_of("scores-einsum"), ("float32[4,8]", "bfloat16[4,8]"), 8),
+    ("fp32_matmul", "bfloat16", line_of("values-einsum"), ("float32[4,4]", "bfloat16[4,8]"), 4),
+  ], str(report)
+  where = lambda marker: jl.SourceLocation(__file__, line_of(marker), "scaled_attention")
+  promoted = (
+    f"promoted from bfloat16 to float32 by mul at {where('promoting-scale')}: its other "
+    "operand is float32"
+  )
+  scores, values = (f.message for f in report)
+  assert scores.startswith(
+    "dot_general of a float32 lhs (float32[4,8]) and a bfloat16 operand while the compute "
+    "dtype is bfloat16: JAX promotes the bfloat16 operand, so this matmul runs in float32"
+  )
+  assert f"The lhs is {promoted}" in scores
+  # The probabilities are float32 because the scores are: the same promotion is named.
+  assert (
+    f"The lhs comes from div at {where('fp32-softmax')}, computed from a value {promoted}"
+  ) in values
+  assert "dtype=" not in scores  # no layer's dtype= is to blame
+  # A Python scalar is weakly typed and keeps the query in bfloat16: nothing to report.
+  assert not audit(scaled_attention, q, k, v, 0.25, audit_config=config)
+
+
+def test_fp32_matmul_names_a_float32_rhs_and_convolution_input():
+  x16, w32 = jnp.ones((2, 8), BF16), jnp.ones((8, 4), F32)
+  config = AuditConfig(compute_dtype="float16", formats=["float16"])
+  (finding,) = audit(lambda x, w: x @ w, x16, w32, audit_config=config)
+  assert (finding.check, finding.dtype, finding.operands) == (
+    "fp32_matmul",
+    "float16",
+    ("bfloat16[2,8]", "float32[8,4]"),
+  )
+  assert "a float32 rhs (float32[8,4]) and a bfloat16 operand" in finding.message
+  assert "The rhs is an input of the traced function" in finding.message
+  # A convolution whose input was cast to float32 by hand.
+  img, kernel = jnp.ones((1, 1, 6, 6), BF16), jnp.ones((2, 1, 3, 3), BF16)
+  conv = lambda x, k: lax.conv(x.astype(F32), k.astype(F32) * 1, (1, 1), "VALID")  # <conv32>
+  (finding,) = audit(conv, img, kernel, audit_config=AuditConfig(compute_dtype="bfloat16"))
+  assert (finding.primitive, finding.location.line, finding.size) == (
+    "conv_general_dilated",
+    line_of("conv32"),
+    9,
+  )
+  # Both operands float32: the dtype= message of a layer that keeps its float32 dtype.
+  assert "with float32 operands while the compute dtype is bfloat16" in finding.message
+
+
 def test_fp32_matmul_takes_the_compute_dtype_from_the_functions_policy():
   x, w = jnp.ones((2, 8), F32), jnp.ones((8, 4), F32)
 

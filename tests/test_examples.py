@@ -97,6 +97,24 @@ def test_charlm_quick_with_fp8():
   assert scales and any(s != 1.0 for per_layer in scales.values() for s in per_layer)
 
 
+def test_validation_panel_keeps_a_quick_runs_points():
+  # A quick run's three points: the untrained first one may be cut, the others stay in view.
+  quick = {"a": {"val_loss": [2.32, 1.96, 0.94]}, "b": {"val_loss": [2.32, 1.95, 0.93]}}
+  assert compare.validation_top(quick) == pytest.approx(1.05 * 2.32)
+  # A full run zooms in on its trained part: 1.5 x the final loss.
+  full = {"a": {"val_loss": [5.46, 2.79, *([2.3] * 8), 2.24]}}
+  assert compare.validation_top(full) == pytest.approx(1.5 * 2.24)
+
+
+def test_layerwise_note_names_each_examples_stages():
+  row = {"recipe": "fp16-layerwise", "final_stage_scales": [2.0**14] * 4}
+  for task, words in ((digits.DigitsTask, "conv"), (charlm.CharLMTask, "embedding")):
+    note = compare.table_notes([row], 1, 3, task.stages)
+    assert f"one per stage, in order: {task.stages}." in " ".join(note.split())
+    assert words in task.stages
+  assert "embedding" not in digits.DigitsTask.stages
+
+
 # One worker runs this module under pytest-xdist, so its module fixture runs once.
 pytestmark = pytest.mark.xdist_group("examples")
 

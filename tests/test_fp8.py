@@ -1139,3 +1139,17 @@ def test_dot_general_refuses_loss_scales_it_cannot_use(loss_scale, error, match)
   x, w = jnp.ones((4, 8)), jnp.ones((8, 2))
   with pytest.raises(error, match=match):
     fp8.dot_general(x, w, MATMUL, fp8.init_dot_state(), loss_scale=loss_scale)
+
+
+def test_an_fp8_state_initialized_after_a_donated_update_has_buffers_of_its_own():
+  config = fp8.Fp8Config(amax_history_length=2)
+  observed = fp8.Fp8DotAmax(jnp.float32(896.0), jnp.float32(0.0), jnp.float32(3584.0))
+  update = jax.jit(lambda state: fp8.update(state, observed, config), donate_argnums=0)
+  donated = fp8.init_dot_state(config)
+  first = update(donated)
+  assert donated.input.scale.is_deleted()  # the update consumed it
+  fresh = fp8.init_dot_state(config)  # a second run
+  assert [float(t.scale) for t in fresh] == [1.0, 1.0, 1.0]
+  second = update(fresh)
+  assert [float(t.scale) for t in second] == [2.0, 1.0, 0.0625]
+  jax.tree.map(np.testing.assert_array_equal, second, first)

@@ -282,7 +282,12 @@ def test_dynamic_loss_scale_follows_jmps_trajectory(real_jmp):
   args = (jnp.float32(8.0), np.zeros([], np.int32), 3, 2, np.float32(2.0))
   ours, theirs = jmp.DynamicLossScale(*args), real_jmp.DynamicLossScale(*args)
   for finite in flags:
-    ours, theirs = ours.adjust(jnp.array(finite)), theirs.adjust(jnp.array(finite))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # jmp's adjust rebuilds its object and warns again
+      theirs = theirs.adjust(jnp.array(finite))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # jmp_lite warns once, at construction
+      ours = ours.adjust(jnp.array(finite))
     assert float(ours.loss_scale) == float(theirs.loss_scale)
     assert int(ours.counter) == int(theirs.counter)
   # It went through growth (8 -> 16), back-off to the floor (2) and growth again (4).
@@ -318,3 +323,56 @@ def test_loss_scales_and_helpers_agree_with_jmp(real_jmp):
     real_jmp.select_tree(jnp.ones([1], bool), None, None)
   with pytest.raises(ValueError, match="pred must be a boolean scalar, got shape"):
     jmp.select_tree(jnp.ones([1], bool), None, None)
+
+
+# Every constructor argument of DynamicLossScale in the forms jmp users pass it, jmp's own test
+# suite's included (a zero floor as `jnp.asarray(0.)`, an integral float period, int factors).
+DYNAMIC_ARGUMENTS = [
+  ((jnp.float32(8.0),), {}),
+  ((jnp.asarray(8, jnp.int32),), {}),  # an integer scale: both warn (jmp's adjust then fails)
+  ((np.float32(8.0), jnp.int32(2), 3), {}),  # counter and period, positionally
+  ((jnp.float32(8.0),), {"period": 3.0, "factor": 3}),  # an integral float period, int factor
+  ((jnp.float32(8.0),), {"period": 2, "factor": 2.5}),
+  ((jnp.asarray(10.0), jnp.int32(0), 5.0, 2.0, jnp.asarray(0.0)), {}),  # jmp's zero floor
+  ((jnp.asarray(10.0), jnp.int32(0), 20, 2, jnp.asarray(0.3125)), {}),
+  ((jnp.float32(8.0),), {"period": 2, "min_loss_scale": jnp.asarray(2, jnp.int32)}),  # warns
+  ((jnp.float32(8.0),), {"period": 2, "min_loss_scale": np.int64(2)}),  # warns
+  ((jnp.float32(8.0),), {"period": 2, "min_loss_scale": 2.0}),
+]
+
+
+def _built_with_warnings(make):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    built = make()
+  return built, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize("args, kwargs", DYNAMIC_ARGUMENTS)
+def test_dynamic_loss_scale_constructor_arguments_behave_like_jmps(real_jmp, args, kwargs):
+  ours, our_warnings = _built_with_warnings(lambda: jmp.DynamicLossScale(*args, **kwargs))
+  theirs, their_warnings = _built_with_warnings(lambda: real_jmp.DynamicLossScale(*args, **kwargs))
+  # Each of jmp's warnings is given, in jmp's words (jmp_lite adds what it converted to).
+  assert len(our_warnings) >= len(their_warnings)
+  for theirs_message, ours_message in zip(their_warnings, our_warnings, strict=False):
+    assert ours_message.startswith(theirs_message)
+  # The one warning jmp does not give: a zero floor lets the scale collapse to 0.
+  extra = our_warnings[len(their_warnings) :]
+  zero_floor = float(np.asarray(theirs.min_loss_scale)) == 0
+  assert [m.split(":")[0] for m in extra] == (["min_loss_scale=0"] if zero_floor else [])
+  for field in ("period", "factor", "min_loss_scale"):
+    assert float(getattr(ours, field)) == float(np.asarray(getattr(theirs, field))), field
+  if not jnp.issubdtype(jnp.asarray(theirs.loss_scale).dtype, jnp.floating):
+    return  # jmp's adjust fails on an integer scale (lax.select of int32 and float32)
+  # Growth, back-off down to the floor (or, with a zero floor, far below 1) and growth again.
+  flags = [True] * 7 + [False] * 40 + [True] * 9
+  for finite in flags:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # jmp's adjust rebuilds its object and warns again
+      theirs = theirs.adjust(jnp.array(finite))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # jmp_lite warns once, at construction
+      ours = ours.adjust(jnp.array(finite))
+    assert float(ours.loss_scale) == float(theirs.loss_scale)
+    assert int(ours.counter) == int(theirs.counter)
+    assert ours.loss_scale.dtype == theirs.loss_scale.dtype

@@ -4,6 +4,7 @@ import pickle
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -314,7 +315,7 @@ def test_integer_loss_scale_is_converted_to_float32():
     ({"factor": 0.5}, ValueError, "factor"),
     ({"factor": float("inf")}, ValueError, "factor"),
     ({"factor": "2"}, TypeError, "factor"),
-    ({"min_loss_scale": 0.0}, ValueError, "min_loss"),
+    ({"min_loss_scale": -1.0}, ValueError, r"min_loss_scale must be a finite number >= 0"),
     ({"min_loss_scale": float("nan")}, ValueError, "min_loss"),
     ({"min_loss_scale": 2.0**20}, ValueError, r"outside \[min_loss_scale"),
     ({"max_loss_scale": 2.0**10}, ValueError, r"outside"),
@@ -554,7 +555,10 @@ def test_a_kind_written_by_a_user_plugs_into_loss_scaling():
   tx = jl.loss_scaling(optax.sgd(1.0), scale)
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
-  assert jl.get_loss_scale(state) is scale  # taken as it is: it has the contract's members
+  # Taken as it is (it has the contract's members), its arrays copied: a state owns its buffers.
+  initial = jl.get_loss_scale(state)
+  assert type(initial) is HalvingScale and float(initial.loss_scale) == 8.0
+  assert initial.loss_scale is not scale.loss_scale
   _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["w"]) * 3, state)(params)
   np.testing.assert_array_equal(grads["w"], [24.0, 24.0])
   updates, state = jax.jit(tx.update)(grads, state, params)
@@ -600,3 +604,32 @@ def test_uniform_scale_value_reads_every_kind_of_scale_the_same_way():
   for bad in (0.0, -2.0, np.inf, np.nan):
     with pytest.raises(ValueError, match="positive and finite"):
       read(bad)
+
+
+def test_a_zero_floor_is_accepted_with_a_warning_and_the_scale_can_collapse_to_0():
+  # jmp accepts min_loss_scale=0 (its own test suite builds one); jmp_lite does too, and says
+  # what it allows: halving underflows to 0, and a step at scale 0 is never finite.
+  with pytest.warns(UserWarning, match=r"^min_loss_scale=0: .* down to 0") as caught:
+    scale = jl.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.asarray(0.0))
+  assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller
+  assert scale.min_loss_scale == 0.0 and not bool(scale.at_minimum)
+  halve = jax.jit(lambda s, n: jax.lax.fori_loop(0, n, lambda _, s: s.adjust(jnp.array(F)), s))
+  assert float(halve(scale, 100).loss_scale) == 2.0**-100  # exact: still a normal float32
+  collapsed = halve(scale, 200)
+  assert float(collapsed.loss_scale) == 0.0 and bool(collapsed.at_minimum)
+  # At 0 the gradients of the scaled loss are 0 and unscale to NaN: every step is skipped.
+  tx = jl.loss_scaling(optax.sgd(1.0), collapsed)
+  params = {"w": jnp.array([1.0, 2.0])}
+  state = tx.init(params)
+  for _ in range(2):
+    _, grads = jl.scaled_value_and_grad(lambda p: jnp.sum(p["w"] ** 2), state)(params)
+    updates, state = tx.update(grads, state, params)
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+  assert int(state.skipped_steps) == 2 and float(state.loss_scale.loss_scale) == 0.0
+
+
+def test_an_integer_floor_warns_with_jmps_message():
+  for floor in (2, np.int64(2), jnp.asarray(2, jnp.int32)):
+    with pytest.warns(UserWarning, match="^Expected floating type for min_loss_scale, got int32"):
+      scale = jl.DynamicLossScale(jnp.float32(8.0), min_loss_scale=floor)
+    assert scale.min_loss_scale == 2.0 and type(scale.min_loss_scale) is float

@@ -90,6 +90,16 @@ def test_loss_scale_over_time(ax):
   assert ax.get_yscale() == "log"
 
 
+def test_loss_scale_legend_has_the_curves_colour(ax):
+  from matplotlib.colors import same_color
+
+  plotting.plot_loss_scale([2.0**15, 2.0**14], ax=ax, color="tab:orange")
+  (curve,) = ax.lines
+  (entry,) = ax.get_legend().legend_handles
+  assert same_color(curve.get_color(), "tab:orange")
+  assert same_color(entry.get_color(), "tab:orange")
+
+
 def test_no_skipped_steps_no_skip_legend(ax):
   plotting.plot_loss_scale([2.0**15] * 3, skipped=[False] * 3, ax=ax)
   assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss scale"]

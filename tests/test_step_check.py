@@ -1,5 +1,7 @@
 """jl.check_loss_scaling catches the two wirings that train badly without an error."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -127,9 +129,6 @@ def test_what_cannot_be_checked_is_refused():
     jl.check_loss_scaling(lambda p, s: p, PARAMS, state)
   with pytest.raises(ValueError, match="power of two"):
     jl.check_loss_scaling(make_step(tx, scaled), PARAMS, state, X, Y, factor=0.3)
-  # With a scale of 1 scaled and unscaled gradients coincide: nothing to check.
-  noop = jl.loss_scaling(optax.sgd(0.1), jl.NoOpLossScale())
-  jl.check_loss_scaling(make_step(noop, unscaled), PARAMS, noop.init(PARAMS), X, Y)
   # A dynamic scale that backed off to 1 can grow again: its wiring is still checked.
   at_one = jl.loss_scaling(optax.sgd(0.1), jl.DynamicLossScale(jnp.float32(1.0)))
   with pytest.raises(ValueError, match="unscaled loss"):
@@ -158,3 +157,74 @@ def test_nnx_optimizer_steps():
   assert int(optimizer.step[...]) == 0
   with pytest.raises(ValueError, match="unscaled loss"):
     jl.check_loss_scaling(bad, model, optimizer)
+
+
+def test_with_noop_loss_scale_the_wiring_is_checked_and_a_finding_is_a_warning():
+  noop = jl.loss_scaling(optax.sgd(0.1), jl.NoOpLossScale())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # a correct step: no warning
+    jl.check_loss_scaling(make_step(noop, scaled), PARAMS, noop.init(PARAMS), X, Y)
+  # Plain jax.grad trains right at a scale of 1, and would not at any other.
+  with pytest.warns(UserWarning, match=r"^With NoOpLossScale this step trains .* unscaled loss"):
+    jl.check_loss_scaling(make_step(noop, unscaled), PARAMS, noop.init(PARAMS), X, Y)
+  # A step that never reaches loss_scaling's update is an error at any scale.
+  with pytest.raises(ValueError, match="never called loss_scaling's update"):
+    jl.check_loss_scaling(lambda p, s: p, PARAMS, noop.init(PARAMS))
+
+
+def test_loss_scaling_applied_twice_is_refused():
+  tx = jl.loss_scaling(optax.sgd(0.1), SCALE)
+  state = tx.init(PARAMS)
+  nested = state._replace(inner_state=tx.init(PARAMS))  # built by hand: the builders refuse it
+  with pytest.raises(ValueError, match=r"found 2 \(1 of them inside another: loss scaling"):
+    jl.check_loss_scaling(make_step(tx, scaled), PARAMS, nested, X, Y)
+
+
+# fp16 gradients of this loss overflow at the usual starting scale 2^15 (and fit at 2^11).
+Y_FAR = Y + 100.0
+
+
+def test_a_batch_that_overflows_at_the_starting_scale_is_checked_at_a_scale_that_fits():
+  start = jl.DynamicLossScale(jnp.float32(2.0**15))
+  tx = jl.loss_scaling(optax.sgd(0.1), start)
+  opt_state = tx.init(PARAMS)
+  grads = jax.jit(jl.scaled_value_and_grad(loss_fn, opt_state))(PARAMS, X, Y_FAR)[1]
+  assert not bool(jl.all_finite(grads))  # the premise: the first step overflows
+  jl.check_loss_scaling(make_step(tx, scaled), PARAMS, opt_state, X, Y_FAR)
+  assert float(opt_state.loss_scale.loss_scale) == 2.0**15  # the caller's state is untouched
+  # Backed off by the scale's own rule: with a hysteresis too.
+  slow = jl.loss_scaling(optax.sgd(0.1), jl.DynamicLossScale(jnp.float32(2.0**15), hysteresis=2))
+  jl.check_loss_scaling(make_step(slow, scaled), PARAMS, slow.init(PARAMS), X, Y_FAR)
+  # The mistakes are still found there.
+  with pytest.raises(ValueError, match="gradients of the unscaled loss"):
+    jl.check_loss_scaling(make_step(tx, unscaled), PARAMS, opt_state, X, Y_FAR)
+  clipped = optax.chain(optax.clip_by_global_norm(0.1), tx)
+  with pytest.raises(ValueError, match="a transformation before loss_scaling"):
+    jl.check_loss_scaling(make_step(clipped, scaled), PARAMS, clipped.init(PARAMS), X, Y_FAR)
+
+
+def test_a_scale_that_cannot_go_lower_says_what_to_pass():
+  for loss_scale, tried in [
+    (jl.StaticLossScale(jnp.float32(2.0**15)), "at the loss scale 32768, "),
+    (
+      jl.DynamicLossScale(jnp.float32(2.0**15), min_loss_scale=2.0**13),
+      "at the loss scale 32768 nor backed off to 8192,",
+    ),
+  ]:
+    tx = jl.loss_scaling(optax.sgd(0.1), loss_scale)
+    with pytest.raises(ValueError, match=rf"not finite {tried}.*DynamicLossScale\(jnp"):
+      jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), X, Y_FAR)
+
+
+def test_a_step_that_returns_the_state_it_was_given_is_reported():
+  tx = jl.loss_scaling(optax.sgd(0.1), SCALE)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    updates, _ = tx.update(scaled(params, opt_state, x, y), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state  # the new state dropped
+
+  with pytest.raises(ValueError, match=r"returns the loss scaling state it was given.*stayed at 0"):
+    jl.check_loss_scaling(step, PARAMS, tx.init(PARAMS), X, Y)
+  # The counters that did move (the step returns the new state): passes.
+  jl.check_loss_scaling(make_step(tx, scaled), PARAMS, tx.init(PARAMS), X, Y)

@@ -1,7 +1,9 @@
+import functools
 import os
 import pickle
 
 import chex
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -456,3 +458,215 @@ def test_loss_scaling_argument_errors():
     jl.loss_scaling(optax.adam, jl.NoOpLossScale())
   with pytest.raises(TypeError, match="loss_scale must be"):
     jl.loss_scaling(optax.adam(1e-3), 2.0**15)
+
+
+# Loss scaling applied once -------------------------------------------------------------------
+
+
+def test_loss_scaling_of_a_loss_scaling_is_refused_at_construction():
+  scale = jl.DynamicLossScale(jnp.float32(2.0**15))
+  once = jl.loss_scaling(optax.sgd(0.5), scale)
+  with pytest.raises(ValueError, match=r"inner=jl.loss_scaling\(...\).* unscaled 2 times"):
+    jl.loss_scaling(once, scale)
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [
+    lambda once: optax.chain(optax.clip_by_global_norm(1.0), once),
+    lambda once: optax.MultiSteps(once, 2),
+    lambda once: optax.chain(optax.identity(), optax.MultiSteps(once, 2).gradient_transformation()),
+  ],
+  ids=["chain", "multisteps", "chain_of_multisteps"],
+)
+def test_loss_scaling_of_a_transformation_containing_one_is_refused_at_init(inner):
+  scale = jl.DynamicLossScale(jnp.float32(2.0**15))
+  tx = jl.loss_scaling(inner(jl.loss_scaling(optax.sgd(0.5), scale)), scale)
+  with pytest.raises(ValueError, match=r"already applies loss scaling \(its state holds 1 "):
+    tx.init({"w": jnp.ones(1)})
+  with pytest.raises(ValueError, match="already applies loss scaling"):
+    jax.eval_shape(tx.init, {"w": jnp.ones(1)})
+
+
+def test_a_nested_loss_scaling_state_is_counted():
+  tx = jl.loss_scaling(optax.sgd(0.5), jl.StaticLossScale(8.0))
+  state = tx.init({"w": jnp.zeros(1)})
+  nested = state._replace(inner_state=tx.init({"w": jnp.zeros(1)}))  # built by hand
+  with pytest.raises(ValueError, match=r"Found 2 loss_scaling states.*more than once"):
+    jl.get_loss_scaling_state(nested)
+  with pytest.raises(ValueError, match="Found 2 loss_scaling states"):
+    jl.get_loss_scale((optax.EmptyState(), nested))
+  assert jl.get_loss_scaling_state(state) is state
+
+
+# A donated step ------------------------------------------------------------------------------
+
+
+def _staged_loss(params):
+  h = jl.stage_boundary(jnp.tanh(params["w"] * 2.0), 0)
+  return jnp.sum((h + params["b"]) ** 2)
+
+
+# Every kind of loss scale, built once and given to loss_scaling: each init is a fresh state.
+DONATED_SCALES = {
+  "static": lambda: jl.StaticLossScale(jnp.float32(2.0**8)),
+  "dynamic": lambda: jl.DynamicLossScale(jnp.float32(2.0**8), period=1),
+  "layerwise": lambda: jl.LayerwiseLossScale({"w": 0, "b": 1}, initial_scale=2.0**8),
+}
+
+
+@pytest.mark.parametrize("kind", DONATED_SCALES)
+def test_an_init_after_a_donated_step_has_buffers_of_its_own(kind):
+  loss_scale = DONATED_SCALES[kind]()
+  tx = jl.loss_scaling(optax.sgd(0.1), loss_scale)
+  params = lambda: {"w": jnp.asarray([0.5, -1.0]), "b": jnp.asarray([0.25, 0.5])}
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state):
+    _, grads = jl.scaled_value_and_grad(_staged_loss, opt_state)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  donated = tx.init(params())
+  first = step(params(), donated)
+  assert all(x.is_deleted() for x in jax.tree.leaves(donated.loss_scale))  # consumed
+  fresh = tx.init(params())  # a second run, or the target a checkpoint restores into
+  assert float(jl.get_loss_scale(fresh).loss_scale) == 2.0**8
+  assert float(loss_scale.loss_scale) == 2.0**8  # the object given is untouched
+  assert_bitwise_equal(step(params(), fresh), first)
+
+
+# ----------------------------------------------------------------------------------------------
+# scaled_value_and_grad of an Equinox module: the differentiation transform is the user's.
+
+
+def _eqx_problem():
+  model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))  # holds relu/identity as leaves
+  x = jax.random.normal(jax.random.key(1), (6, 4))
+  y = jax.random.normal(jax.random.key(2), (6, 2))
+  return model, x, y
+
+
+def _eqx_loss(model, x, y):
+  pred = jax.vmap(model)(x)
+  return jnp.mean((pred - y) ** 2), {"pred": pred}
+
+
+@pytest.mark.parametrize("make", [lambda: jl.StaticLossScale(2.0**10), lambda: jl.NoOpLossScale()])
+def test_equinox_scaled_value_and_grad_is_the_gradient_of_the_scaled_loss(make):
+  model, x, y = _eqx_problem()
+  loss_scale = make()
+  opt_state = jl.loss_scaling(optax.sgd(1.0), loss_scale).init(
+    eqx.filter(model, eqx.is_inexact_array)
+  )
+  scale = jnp.float32(loss_scale.loss_scale)
+  for jit in (lambda f: f, eqx.filter_jit):  # XLA fuses differently under jit: compare alike
+    # The reference, by hand: Equinox's own transform of the scaled loss.
+    (ref_scaled, (ref_loss, ref_aux)), ref_grads = jit(
+      eqx.filter_value_and_grad(
+        lambda m, x, y: (lambda out: (out[0] * scale, out))(_eqx_loss(m, x, y)), has_aux=True
+      )
+    )(model, x, y)
+    (loss, aux), grads = jit(
+      jl.scaled_value_and_grad(
+        _eqx_loss, opt_state, has_aux=True, value_and_grad=eqx.filter_value_and_grad
+      )
+    )(model, x, y)
+    assert_bitwise_equal(grads, ref_grads)  # None where the module holds functions
+    assert_bitwise_equal((loss, aux), (ref_loss, ref_aux))
+    loss, grads = jit(
+      jl.scaled_value_and_grad(
+        lambda m, x, y: _eqx_loss(m, x, y)[0], opt_state, value_and_grad=eqx.filter_value_and_grad
+      )
+    )(model, x, y)
+    assert_bitwise_equal((loss, grads), (ref_loss, ref_grads))
+  assert float(ref_scaled) == float(ref_loss) * float(scale)
+
+
+def test_equinox_scaled_value_and_grad_with_a_layerwise_scale():
+  # The layer-wise scale's boundary probes travel with the module (Equinox takes no argnums).
+  model, x, y = _eqx_problem()
+  loss_fn = lambda m, x, y: _eqx_loss(m, x, y)[0]
+  loss_scale = jl.LayerwiseLossScale(0)  # one stage: every parameter
+  loss, grads = jl.scaled_value_and_grad(
+    loss_fn, loss_scale, value_and_grad=eqx.filter_value_and_grad
+  )(model, x, y)
+  scale = loss_scale.scales[-1]
+  ref_loss, ref_grads = eqx.filter_value_and_grad(lambda *a: loss_fn(*a) * scale)(model, x, y)
+  assert_bitwise_equal((loss * scale, grads.grads), (ref_loss, ref_grads))
+  true_grads, finite, _ = loss_scale.unscale_and_adjust(grads, eqx.filter(model, eqx.is_array))
+  assert bool(finite)
+  assert_bitwise_equal(true_grads, eqx.filter_grad(loss_fn)(model, x, y))
+
+
+def test_equinox_train_step_through_loss_scaling_matches_optax():
+  model, x, y = _eqx_problem()
+  floats = lambda m: eqx.filter(m, eqx.is_inexact_array)
+  loss_fn = lambda m, x, y: _eqx_loss(m, x, y)[0]
+  # SGD with momentum: no transcendental functions (Adam's powers), whose XLA:CPU
+  # approximations differ between fusions, so the two programs agree bit for bit.
+  ref_tx = optax.sgd(0.1, momentum=0.9)
+  tx = jl.loss_scaling(ref_tx, jl.DynamicLossScale(jnp.float32(2.0**15), period=2))
+
+  @eqx.filter_jit
+  def step(model, opt_state, x, y):
+    loss, grads = jl.scaled_value_and_grad(
+      loss_fn, opt_state, value_and_grad=eqx.filter_value_and_grad
+    )(model, x, y)
+    updates, opt_state = tx.update(grads, opt_state, floats(model))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+  @eqx.filter_jit
+  def ref_step(model, state, x, y):  # plain optax, no loss scaling
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+    updates, state = ref_tx.update(grads, state, floats(model))
+    return eqx.apply_updates(model, updates), state, loss
+
+  ref, ref_state = model, ref_tx.init(floats(model))
+  opt_state = tx.init(floats(model))
+  poisoned = x.at[0, 0].set(jnp.inf)
+  for batch in [x, x, poisoned, x]:
+    model, opt_state, loss = step(model, opt_state, batch, y)
+    if batch is not poisoned:  # the inf step is skipped: model and momentum unchanged
+      ref, ref_state, ref_loss = ref_step(ref, ref_state, batch, y)
+      assert float(loss) == float(ref_loss)
+    assert_bitwise_equal(floats(model), floats(ref))
+    assert model.activation is ref.activation  # the module's functions are kept
+  assert_bitwise_equal(opt_state.inner_state, ref_state)
+  assert int(opt_state.skipped_steps) == 1 and int(opt_state.steps) == 4
+  # 2^15 grew to 2^16 after two finite steps and halved on the inf.
+  assert float(opt_state.loss_scale.loss_scale) == 2.0**15
+  assert step._cached._cache_size() == 1  # traced once as the scale moves
+
+
+def test_equinox_module_through_jax_value_and_grad_names_the_leaves():
+  model, x, y = _eqx_problem()
+  loss_fn = lambda model, x, y: _eqx_loss(model, x, y)[0]
+  scaled = jl.scaled_value_and_grad(loss_fn, jl.StaticLossScale(2.0**10))
+  with pytest.raises(TypeError) as info:
+    scaled(model, x, y)
+  assert str(info.value) == (
+    "jax.value_and_grad differentiates every leaf of the first argument, and accepts only "
+    "floating-point or complex arrays (and Python floats), but these leaves are not: "
+    "model.activation: a function (custom_jvp); model.final_activation: a function. For an "
+    "Equinox module pass value_and_grad=eqx.filter_value_and_grad (it differentiates the "
+    "floating-point arrays and leaves the rest); otherwise move the other leaves into an "
+    "argument that argnums does not select (e.g. with eqx.partition)."
+  )
+  assert isinstance(info.value.__cause__, TypeError)  # JAX's own error, kept as the cause
+  # An integer leaf, selected by argnums, is named by its path and dtype.
+  tree = {"layers": [{"w": jnp.ones(2), "step": jnp.int32(3)}]}
+  named = r"of argnums=1, .* not: tree\['layers'\]\[0\]\['step'\]: int32\. For"
+  with pytest.raises(TypeError, match=named):
+    jl.scaled_value_and_grad(
+      lambda x, tree: jnp.sum(tree["layers"][0]["w"] * x), jl.NoOpLossScale(), argnums=1
+    )(jnp.ones(2), tree)
+
+  # A TypeError of the loss itself, with the same module, is not reworded.
+  def bad_loss(model, x, y):
+    raise TypeError("the loss's own error")
+
+  with pytest.raises(TypeError, match=r"^the loss's own error"):
+    jl.scaled_value_and_grad(
+      bad_loss, jl.NoOpLossScale(), value_and_grad=eqx.filter_value_and_grad
+    )(model, x, y)

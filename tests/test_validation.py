@@ -1,5 +1,7 @@
 """The shared argument checks (jmp_lite/_validation.py): values kept, errors typed and named."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +66,23 @@ def test_as_real_and_bounds():
     v.as_bound(2.0**16, "b", np.dtype(np.float16))
   with pytest.raises(ValueError, match=r"b must be positive and finite, got -1\.0"):
     v.as_bound(-1, "b", F32)
+
+
+def test_as_bound_accepts_zero_and_warns_on_integers_only_when_asked():
+  assert v.as_bound(0.0, "b", F32, allow_zero=True) == 0.0
+  assert v.as_bound(jnp.asarray(-0.0), "b", F32, allow_zero=True) == 0.0
+  with pytest.raises(ValueError, match=r"^b must be positive and finite, got 0\.0\.$"):
+    v.as_bound(0.0, "b", F32)
+  for bad in (-1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match=r"^b must be a finite number >= 0, got "):
+      v.as_bound(bad, "b", F32, allow_zero=True)
+  for integer in (2, np.int64(2), jnp.asarray(2, jnp.int32)):
+    with pytest.warns(UserWarning, match=r"^Expected floating type for b, got int32; it is"):
+      assert v.as_bound(integer, "b", F32, warn_integer=True) == 2.0
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert v.as_bound(2, "b", F32) == 2.0  # no warning unless asked
+    assert v.as_bound(jnp.float16(2), "b", F32, warn_integer=True) == 2.0
 
 
 def test_as_bounds_broadcasts_a_scalar_and_checks_each_stage():

@@ -36,12 +36,24 @@ What it looks for (the ``check`` of a :class:`Finding`):
                           beyond the format's max (``-1e9`` masks), results of range-expanding
                           operations (``exp``, powers, sums of 1024 or more values of
                           unknown range, and means of them), unclipped casts to fp8
-``fp32_matmul``           a forward-pass ``dot_general``/``conv`` with float32 operands while
-                          the compute dtype is 16/8-bit (a layer built with
-                          ``dtype=jnp.float32`` under a bf16 policy runs in float32); only
-                          with a known compute dtype: :attr:`AuditConfig.compute_dtype`, or
-                          the ``policy`` of a function from ``jmp_lite.flax.policy_apply``
+``fp32_matmul``           a forward-pass ``dot_general``/``conv`` with a float32 operand
+                          while the compute dtype is 16/8-bit: both operands (a layer built
+                          with ``dtype=jnp.float32`` under a bf16 policy), or one, which
+                          JAX promotes the other to (``q * np.float32(0.25)``), naming it;
+                          outside the policy a step's arguments carry, the step bypassing
+                          it (``model.apply`` instead of ``state.apply_fn``). Only with a
+                          known compute dtype (see below)
 ========================  ==================================================================
+
+The compute dtype a matmul is judged by (:mod:`jmp_lite._audit._policies`):
+:attr:`AuditConfig.compute_dtype` when given; else that of the policy in force
+where the matmul was traced: ``jmp_lite.flax.policy_apply`` and ``policy_view``
+run the model in a named scope naming its policy (:mod:`jmp_lite._policy_scope`),
+which the jaxpr keeps through ``jit``, ``grad``, ``scan`` and ``remat``, so a
+whole training step needs no configuration; outside such scopes, the policy of
+the audited function (``policy_apply``'s ``policy`` attribute) or the first
+:class:`~jmp_lite.Policy` among its arguments (a ``jmp_lite.flax.TrainState``'s
+``policy`` field).
 
 A reduction is *long* from :attr:`AuditConfig.long_reduction` values on, by
 default :math:`1/\epsilon` of the format (128 for bfloat16, 1024 for float16):
@@ -79,6 +91,7 @@ The package, one concern per module (the walk knows no check by name):
 ``_ranges``                value ranges: the per-primitive transfer functions
 ``_graph``                 producers/consumers, what a statistic comes from
 ``_source``                source lines, scopes, operations autodiff created
+``_policies``              the compute dtype each equation is judged by, and its source
 ``_api``                   :func:`audit` and :func:`audit_jaxpr`
 =========================  =================================================================
 """

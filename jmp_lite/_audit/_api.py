@@ -2,46 +2,56 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from jmp_lite import _jaxpr, _tree_util
-from jmp_lite._audit import _walk
+from jmp_lite._audit import _policies, _walk
 from jmp_lite._audit._config import AuditConfig
 from jmp_lite._audit._report import AuditReport
 from jmp_lite._policy import Policy
 
 
+def _traceable(x: Any) -> bool:
+  return _tree_util.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-  """make_jaxpr over the array leaves of (args, kwargs); other leaves (Python
-  bools, ints, strings: flags such as ``train=False``) stay static."""
-  arrays, rebuild = _tree_util.split_leaves(
-    (args, kwargs), lambda x: _tree_util.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-  )
+  """make_jaxpr over the array leaves of (args, kwargs) and of the result.
+
+  The other leaves of the arguments (Python bools, ints, strings: flags such
+  as ``train=False``; the functions an Equinox module holds) stay static, as
+  ``eqx.filter_jit`` keeps them; those of the result (an Equinox module's
+  activation function) are dropped, since only arrays are traced.
+  """
+  arrays, rebuild = _tree_util.split_leaves((args, kwargs), _traceable)
 
   def traced(*values):
     a, k = rebuild(list(values))
-    return fn(*a, **k)
+    return [x for x in jax.tree_util.tree_leaves(fn(*a, **k)) if isinstance(x, jax.Array)]
 
   return jax.make_jaxpr(traced)(*arrays)
 
 
-def _policy_of(fn: Any) -> Policy | None:
-  """The :class:`Policy` a function runs under: its ``policy`` attribute (set by
-  ``jmp_lite.flax.policy_apply``), looked up through ``jax.jit``,
-  ``functools.wraps`` (``__wrapped__``) and ``functools.partial``."""
-  for _ in range(8):
-    policy = getattr(fn, "policy", None)
-    if isinstance(policy, Policy):
-      return policy
-    fn = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
-    if fn is None:
-      return None
-  return None
+def _audit(
+  closed: Any,
+  config: Any,
+  function_policy: Policy | None = None,
+  argument_policies: tuple[Policy, ...] = (),
+) -> AuditReport:
+  if not isinstance(config, AuditConfig):
+    raise TypeError(f"audit_config must be an AuditConfig, got {type(config).__name__}.")
+  core = _jaxpr.extend_core()
+  if isinstance(closed, core.ClosedJaxpr):
+    inner, consts = closed.jaxpr, closed.consts
+  elif isinstance(closed, core.Jaxpr):
+    inner, consts = closed, [None] * len(closed.constvars)
+  else:
+    raise TypeError(f"Expected a jaxpr (ClosedJaxpr or Jaxpr), got {type(closed).__name__}.")
+  findings, num_operations = _walk.walk(inner, consts, config, function_policy, argument_policies)
+  return AuditReport(tuple(findings), num_operations, tuple(config.formats))
 
 
 def audit_jaxpr(jaxpr: Any, audit_config: AuditConfig | None = None) -> AuditReport:
@@ -54,24 +64,15 @@ def audit_jaxpr(jaxpr: Any, audit_config: AuditConfig | None = None) -> AuditRep
   Args:
     jaxpr: a ``ClosedJaxpr``, or an open ``Jaxpr`` (its constants are then unknown).
     audit_config: an :class:`AuditConfig` (default: everything on, default
-      thresholds). Unlike :func:`audit`, no ``policy`` is looked up: set
-      ``compute_dtype`` for the ``fp32_matmul`` check.
+      thresholds). The ``fp32_matmul`` check judges the equations in a
+      policy scope (``jmp_lite.flax.policy_apply``'s) by their policy; unlike
+      :func:`audit`, no function or arguments are there to take a policy
+      from for the others: set ``compute_dtype`` for them.
 
   Returns:
     An :class:`AuditReport` of the jaxpr's equations and those of its nested jaxprs.
   """
-  config = AuditConfig() if audit_config is None else audit_config
-  if not isinstance(config, AuditConfig):
-    raise TypeError(f"audit_config must be an AuditConfig, got {type(config).__name__}.")
-  core = _jaxpr.extend_core()
-  if isinstance(jaxpr, core.ClosedJaxpr):
-    inner, consts = jaxpr.jaxpr, jaxpr.consts
-  elif isinstance(jaxpr, core.Jaxpr):
-    inner, consts = jaxpr, [None] * len(jaxpr.constvars)
-  else:
-    raise TypeError(f"Expected a jaxpr (ClosedJaxpr or Jaxpr), got {type(jaxpr).__name__}.")
-  findings, num_operations = _walk.walk(inner, consts, config)
-  return AuditReport(tuple(findings), num_operations, tuple(config.formats))
+  return _audit(jaxpr, AuditConfig() if audit_config is None else audit_config)
 
 
 def audit(
@@ -84,7 +85,9 @@ def audit(
 
   ``fn`` is traced, not run: arguments may be arrays or
   :class:`jax.ShapeDtypeStruct`; other leaves (Python bools, ints, strings,
-  e.g. ``train=False``) are passed as static values. Typical uses::
+  e.g. ``train=False``, the functions an Equinox module holds) are passed as
+  static values, and results may hold anything (only their arrays are
+  traced). Typical uses::
 
     # the forward pass under a policy
     print(jl.audit(lambda p, x: model.apply(policy.cast_to_compute(p), x), params, x))
@@ -102,9 +105,12 @@ def audit(
     *args: its positional arguments.
     audit_config: an :class:`AuditConfig` with checks, thresholds and
       allow-lists (default: everything on, default thresholds). Without a
-      ``compute_dtype``, the compute dtype of ``fn.policy`` (a
-      :class:`~jmp_lite.Policy`, looked up through ``jax.jit`` and
-      ``functools.partial``) is used when there is one.
+      ``compute_dtype``, each matmul is judged by the policy it runs under
+      (``jmp_lite.flax.policy_apply`` / ``policy_view`` mark it in the
+      trace), else by ``fn.policy`` (a :class:`~jmp_lite.Policy`, looked up
+      through ``jax.jit`` and ``functools.partial``), else by the first
+      ``Policy`` among the arguments (a ``jmp_lite.flax.TrainState``'s
+      ``policy`` field included).
     **kwargs: its keyword arguments.
 
   Returns:
@@ -114,8 +120,7 @@ def audit(
   if not callable(fn):
     raise TypeError(f"audit expects a callable as its first argument, got {fn!r}.")
   config = AuditConfig() if audit_config is None else audit_config
-  if isinstance(config, AuditConfig) and config.compute_dtype is None:
-    policy = _policy_of(fn)
-    if policy is not None:  # a policy-wrapped function: its matmuls should run in 16 bits
-      config = dataclasses.replace(config, compute_dtype=policy.compute_dtype)
-  return audit_jaxpr(_trace(fn, args, kwargs), config)
+  if not isinstance(config, AuditConfig):
+    raise TypeError(f"audit_config must be an AuditConfig, got {type(config).__name__}.")
+  policies = _policies.policies_in((args, kwargs))
+  return _audit(_trace(fn, args, kwargs), config, _policies.function_policy(fn), policies)

@@ -85,12 +85,15 @@ class AuditConfig:
     library_paths: extra directories whose frames count as library code when
       finding the user's line (installed packages, the Python standard
       library, JAX and jmp_lite always do).
-    compute_dtype: the dtype the program is meant to compute in (a name or
-      dtype), for the ``fp32_matmul`` check: with a 16/8-bit compute dtype,
-      forward-pass matmuls with float32 operands are reported. Default (None):
-      the compute dtype of the audited function's ``policy`` attribute (a
-      :class:`~jmp_lite.Policy`, as on the function ``jmp_lite.flax.policy_apply``
-      returns), and no ``fp32_matmul`` check when there is none.
+    compute_dtype: the dtype the whole program is meant to compute in (a name
+      or dtype), for the ``fp32_matmul`` check: with a 16/8-bit compute dtype,
+      forward-pass matmuls with a float32 operand are reported. Default (None):
+      per matmul, the compute dtype of the policy it runs under (the policy
+      scope of ``jmp_lite.flax.policy_apply`` / ``policy_view`` around it),
+      else of the audited function's ``policy`` attribute, else of the first
+      :class:`~jmp_lite.Policy` among its arguments (a
+      ``jmp_lite.flax.TrainState``'s ``policy``); no ``fp32_matmul`` check
+      where there is none.
 
   Raises:
     TypeError, ValueError: naming the field and the value it was given.

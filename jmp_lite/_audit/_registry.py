@@ -27,7 +27,9 @@ from jmp_lite import _dtypes as dtypes
 from jmp_lite import _jaxpr
 from jmp_lite._audit import _source
 from jmp_lite._audit._graph import Graph, GraphCache
+from jmp_lite._audit._policies import ComputePolicy
 from jmp_lite._audit._ranges import Range
+from jmp_lite._policy import Policy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -36,7 +38,10 @@ class AuditContext:
 
   Attributes:
     formats: the audited low-precision dtypes.
-    compute_dtype: the audited 16/8-bit dtype the program should compute in, or None.
+    compute_dtype: :attr:`AuditConfig.compute_dtype` (when given, the only one that counts).
+    function_policy: the audited function's ``policy`` attribute, or None.
+    argument_policies: the policies among the audited function's arguments.
+    marked: whether the program runs anything in a policy scope.
     long_reduction: the ``reduction`` check's length threshold, or None for 1/eps.
     long_contraction: the ``matmul`` check's threshold (``"as_written"``), or None.
     matmul_accumulation: ``"assume_fp32"`` or ``"as_written"``.
@@ -46,6 +51,9 @@ class AuditContext:
 
   formats: frozenset[np.dtype]
   compute_dtype: np.dtype | None
+  function_policy: Policy | None
+  argument_policies: tuple[Policy, ...]
+  marked: bool
   long_reduction: int | None
   long_contraction: int | None
   matmul_accumulation: str
@@ -56,6 +64,31 @@ class AuditContext:
     """The dtype of a jaxpr atom if it is an audited format, else None."""
     dtype = _jaxpr.dtype_of(atom)
     return dtype if dtype in self.formats else None
+
+  def compute_at(self, origin: _source.Origin) -> ComputePolicy | None:
+    """The compute dtype an equation is judged by (see :mod:`jmp_lite._audit._policies`).
+
+    Args:
+      origin: the equation's origin (its policy scope).
+
+    Returns:
+      The configured compute dtype, else that of the policy scope around the
+      equation, of the audited function's policy, or of the first policy
+      among the arguments; None when there is none or it is not an audited
+      16/8-bit format.
+    """
+    if self.compute_dtype is not None:
+      audited = self.compute_dtype in self.formats
+      return ComputePolicy(self.compute_dtype, "config", None) if audited else None
+    for source, policy in (
+      ("scope", origin.policy),
+      ("function", self.function_policy),
+      ("arguments", self.argument_policies[0] if self.argument_policies else None),
+    ):
+      if policy is not None:
+        dtype = np.dtype(policy.compute_dtype)
+        return ComputePolicy(dtype, source, policy) if dtype in self.formats else None
+    return None
 
   def reduction_threshold(self, dtype: np.dtype) -> int:
     r"""The length of a long reduction in ``dtype``: ``long_reduction``, or :math:`1/\epsilon`."""

@@ -20,6 +20,8 @@ import jaxlib
 
 from jmp_lite import _jaxpr
 from jmp_lite._audit._report import SourceLocation
+from jmp_lite._policy import Policy
+from jmp_lite._policy_scope import innermost_policy, without_marks
 
 # JAX's own files, relative to the jax package, that only bind, trace or call
 # functions: frames in them say nothing about who created an operation.
@@ -222,6 +224,8 @@ class Origin(NamedTuple):
   # Inside a call (jit, scan...) that is itself differentiated.
   in_differentiated_call: bool = False
   traceback: Any = None
+  # The policy of the innermost policy scope around it (jmp_lite.flax.policy_apply's), or None.
+  policy: Policy | None = None
 
 
 TOP = Origin("", False, None, None)
@@ -238,11 +242,13 @@ def origin_of(parent: Origin, eqn: Any, frames: FrameFilter) -> Origin:
 
   Returns:
     The equation's :class:`Origin`; equations JAX traced on behalf of the
-    user (inside ``jnp.var``) keep the caller's line.
+    user (inside ``jnp.var``) keep the caller's line. Its scope leaves out
+    the marks of policy scopes, whose policy it carries instead.
   """
   info = eqn.source_info
   name = str(info.name_stack) if info is not None else ""
-  scope = "/".join(s for s in (parent.scope, name) if s)
+  policy = innermost_policy(name) or parent.policy
+  scope = "/".join(s for s in (parent.scope, without_marks(name)) if s)
   traceback = getattr(info, "traceback", None)
   user, library = frames.locate(traceback)
   if user is None:  # e.g. equations JAX traced inside jnp.var: keep the caller's line
@@ -250,7 +256,9 @@ def origin_of(parent: Origin, eqn: Any, frames: FrameFilter) -> Origin:
   # JAX renders the backward pass as "transpose(jvp(...))" in name stacks.
   backward = parent.backward or "transpose(" in name
   differentiated = parent.differentiated or backward or "jvp(" in name
-  return Origin(scope, backward, user, library, differentiated, parent.differentiated, traceback)
+  return Origin(
+    scope, backward, user, library, differentiated, parent.differentiated, traceback, policy
+  )
 
 
 def derivative_of(eqn: Any, origin: Origin, frames: FrameFilter) -> str | None:

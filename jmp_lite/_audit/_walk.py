@@ -17,19 +17,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _jaxpr
-from jmp_lite._audit import _config, _ranges, _registry, _source
+from jmp_lite._audit import _config, _policies, _ranges, _registry, _source
 from jmp_lite._audit._graph import GraphCache
 from jmp_lite._audit._ranges import UNKNOWN, Range
 from jmp_lite._audit._report import Finding
+from jmp_lite._policy import Policy
 
 
-def _context(config: _config.AuditConfig) -> _registry.AuditContext:
+def _context(
+  config: _config.AuditConfig,
+  jaxpr: Any,
+  function_policy: Policy | None,
+  argument_policies: tuple[Policy, ...],
+) -> _registry.AuditContext:
   formats = frozenset(np.dtype(jnp.dtype(f)) for f in config.formats)
-  # The 16/8-bit dtype matmuls should run in (fp32_matmul), if known and audited.
+  # The dtype matmuls should run in (fp32_matmul), if configured.
   compute = None if config.compute_dtype is None else np.dtype(jnp.dtype(config.compute_dtype))
   return _registry.AuditContext(
     formats=formats,
-    compute_dtype=compute if compute in formats else None,
+    compute_dtype=compute,
+    function_policy=function_policy,
+    argument_policies=argument_policies,
+    marked=_policies.marks_policy(jaxpr),
     long_reduction=config.long_reduction,
     long_contraction=config.long_contraction,
     matmul_accumulation=config.matmul_accumulation,
@@ -41,9 +50,9 @@ def _context(config: _config.AuditConfig) -> _registry.AuditContext:
 class _Walker:
   """Walks one audit's jaxprs and collects its findings."""
 
-  def __init__(self, config: _config.AuditConfig):
+  def __init__(self, config: _config.AuditConfig, audit: _registry.AuditContext):
     self.config = config
-    self.audit = _context(config)
+    self.audit = audit
     self.findings: list[Finding] = []
     self.num_operations = 0
 
@@ -134,17 +143,25 @@ class _Walker:
     return None if _config.allowed(config, finding) else finding
 
 
-def walk(jaxpr: Any, consts: Sequence[Any], config: _config.AuditConfig) -> tuple[list, int]:
+def walk(
+  jaxpr: Any,
+  consts: Sequence[Any],
+  config: _config.AuditConfig,
+  function_policy: Policy | None = None,
+  argument_policies: tuple[Policy, ...] = (),
+) -> tuple[list, int]:
   """Audits a jaxpr and its nested jaxprs.
 
   Args:
     jaxpr: a ``jax.extend.core.Jaxpr``.
     consts: the values of its constvars (None where unknown).
     config: the configuration.
+    function_policy: the audited function's policy, or None.
+    argument_policies: the policies among the audited function's arguments.
 
   Returns:
     ``(findings, number of equations checked)``.
   """
-  walker = _Walker(config)
+  walker = _Walker(config, _context(config, jaxpr, function_policy, argument_policies))
   walker.visit(jaxpr, consts, [UNKNOWN] * len(jaxpr.invars), _source.TOP)
   return walker.findings, walker.num_operations

@@ -37,7 +37,27 @@ def _natural_key(name: str) -> list:
 
 
 def _nonfinite_boundaries(forward: list[str], fraction: Callable[[str], float]) -> list[Culprit]:
-  """The non-finite layers whose next layer in ``forward`` order is finite, last first."""
+  """The non-finite layers whose next layer in ``forward`` order is finite, last first.
+
+  When every layer is non-finite there is no such boundary inside the network:
+  the values were non-finite from the first layer run on, and that layer is
+  named.
+  """
+  if forward and all(fraction(name) > 0 for name in forward):
+    name, frac = forward[0], fraction(forward[0])
+    others = len(forward) - 1
+    return [
+      Culprit(
+        name,
+        "non-finite",
+        frac,
+        f"{frac:.1%} of its gradients are NaN/inf and so are those of every layer after it "
+        f"({others} layer{'s' * (others != 1)}): non-finite values are there from the first "
+        "layer run on, so the cause is at or before the first layer run: its input (the "
+        "batch, an embedding) or its own forward pass. (A loss that is inf or NaN for "
+        "finite outputs looks the same: check the batch and the loss with jnp.isfinite.)",
+      )
+    ]
   culprits = []
   for i, name in enumerate(forward):
     frac = fraction(name)
@@ -73,7 +93,8 @@ def likely_culprits(
      input, and a NaN or inf spreads from where it appears to every earlier
      layer. The culprit is therefore the non-finite layer *closest to the
      output*, i.e. the last one in forward ``order`` (each such boundary is
-     reported if there are several).
+     reported if there are several). When every layer is non-finite, the
+     first layer run is named: the cause is at or before it (the input).
   2. **Overflow**: layers whose scaled gradients exceed the format's range,
      by overflowing fraction.
   3. **Underflow**: layers where more than ``underflow_threshold`` of the

@@ -92,6 +92,10 @@ class DynamicScale:
       fin_steps = 0
       scale = max(scale * backoff_factor, minimum_scale or float32 tiny)
 
+  The constructor (and so :meth:`replace` and restoring a checkpoint) copies
+  the arrays it is given: a step that donates a state holding this scale
+  deletes no other scale's buffers.
+
   Flax 0.12 and older grow one step later (when ``fin_steps ==
   growth_interval``), so a ``fin_steps`` equal to ``growth_interval`` from
   their checkpoints grows on the next finite step.
@@ -149,14 +153,16 @@ class DynamicScale:
     scale = _validation.as_scale(self.scale, "scale").astype(jnp.float32)
     if _validation.is_concrete(scale) and float(scale) < self._floor:
       raise ValueError(f"scale={float(scale)} is below minimum_scale={self._floor}.")
-    set_("scale", scale)
+    # Buffers of its own (here and in `replace`): a step that donates a state holding this
+    # scale must not delete the arrays it was built from, nor those of the scale it replaced.
+    set_("scale", _tree_util.copy_arrays(scale))
     fin_steps = jnp.asarray(self.fin_steps)
     if not jnp.issubdtype(fin_steps.dtype, jnp.integer) or fin_steps.shape != ():
       raise TypeError(f"fin_steps must be an integer scalar, got {self.fin_steps!r}.")
     fin_steps = fin_steps.astype(jnp.int32)
     if _validation.is_concrete(fin_steps) and int(fin_steps) < 0:
       raise ValueError(f"fin_steps must be >= 0, got {int(fin_steps)}.")
-    set_("fin_steps", fin_steps)
+    set_("fin_steps", _tree_util.copy_arrays(fin_steps))
 
   @property
   def _floor(self) -> float:

@@ -27,7 +27,6 @@ applied one after the other cannot see each other's policy.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,8 +37,17 @@ from flax import nnx, traverse_util
 from flax.core import FrozenDict, meta
 
 from jmp_lite._policy import Policy, cast_floating
+from jmp_lite._policy_scope import policy_scope
+from jmp_lite.flax._explicit_dtypes import (
+  ExplicitDtype,
+  explicit_dtype_entry,
+  warn_explicit_dtypes,
+)
 from jmp_lite.flax._module_call import (
+  CallCounter,
+  CallKey,
   CallRecord,
+  attributes_set,
   cast_call,
   enclosing_entry,
   output_chain,
@@ -49,29 +57,9 @@ from jmp_lite.flax._module_policy import (
   ModulePrecision,
   as_module_policies,
   explicit_dtype,
-  warn_explicit_dtypes,
 )
 
 _PARAMS = "params"
-
-
-@contextlib.contextmanager
-def _attributes_set(module: nn.Module, updates: Mapping[str, Any]):
-  """Sets dataclass fields of a bound module for the duration of one call.
-
-  Linen modules are frozen dataclasses, so ``object.__setattr__`` is the only
-  way in. The instance is the bound clone ``apply`` made for this call (never
-  the user's module), and the old values come back on exit, so nothing
-  outlives the call.
-  """
-  saved = {name: getattr(module, name) for name in updates}
-  for name, value in updates.items():
-    object.__setattr__(module, name, value)
-  try:
-    yield
-  finally:
-    for name, value in saved.items():
-      object.__setattr__(module, name, value)
 
 
 def _creates_variables(module: nn.Module) -> bool:
@@ -95,17 +83,19 @@ class _Interceptor:
     self,
     policies: ModulePolicies,
     owners: dict[tuple, np.dtype] | None,
-    found: dict[str, tuple[str, np.dtype, np.dtype]] | None = None,
-    wide_paths: frozenset[tuple] = frozenset(),
+    found: dict[str, ExplicitDtype] | None = None,
+    wide_calls: frozenset[CallKey] = frozenset(),
   ):
     self.policies = policies
     # While discovering: the compute dtype each module (scope path) reads its params in.
     self.owners = owners
-    # Modules whose own dtype= differs from the policy's: path -> (class, dtype, policy dtype).
+    # Modules whose own dtype= differs from the policy's, by path.
     self.found = found
-    # Modules whose output is the model's output (found while discovering): they
+    # The calls whose output is the model's output (found while discovering): they
     # return the policy's output dtype, and a matmul among them produces it directly.
-    self.wide_paths = wide_paths
+    # Other calls of the same modules (a tied embedding's lookup) do not.
+    self.wide_calls = wide_calls
+    self.counter = CallCounter()  # the same numbering while discovering and running
     self.calls: list[CallRecord] = []  # while discovering, in exit order
     self.stack: list[ModulePrecision] = []  # the enclosing module calls, outermost first
 
@@ -117,14 +107,13 @@ class _Interceptor:
     if self.owners is not None:
       self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
     if self.found is not None and resolved.explicit_dtype is not None:
-      self.found.setdefault(
-        "/".join(module.path),
-        (type(module).__name__, resolved.explicit_dtype, resolved.policy_dtype),
-      )
+      name = "/".join(module.path)
+      if name not in self.found:
+        self.found[name] = explicit_dtype_entry(module, resolved)
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
-    path = tuple(module.path)
-    is_output = path in self.wide_paths
+    call = self.counter.key(tuple(module.path), context.method_name)
+    is_output = call in self.wide_calls
     # The outermost call, and the chain of calls returning the model's output, return
     # the policy's output dtype.
     wide = not self.stack or is_output
@@ -133,7 +122,7 @@ class _Interceptor:
     updates = self.policies.attribute_updates(module, resolved, wide_output=is_output)
     self.stack.append(resolved)
     try:
-      with _attributes_set(module, updates):
+      with attributes_set(module, updates):
         return cast_call(
           next_fun,
           args,
@@ -142,7 +131,7 @@ class _Interceptor:
           resolved.root_output_dtype if wide else resolved.output_dtype,
           recompute=recompute,
           record=self.calls if self.owners is not None else None,
-          path=path,
+          call=call,
         )
     finally:
       self.stack.pop()
@@ -264,8 +253,12 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
         f"variables must be a mapping of collections such as {{'params': ...}}, got "
         f"{type(variables).__name__}."
       )
-    run = lambda v: module.apply(v, *args, **kwargs)
-    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
+
+    def run(v):
+      with policy_scope(policies.policy):  # marks the model's equations for jl.audit
+        return module.apply(v, *args, **kwargs)
+
+    found: dict[str, ExplicitDtype] = {}
     params = variables.get(_PARAMS)
     if params is None:  # nothing to cast (e.g. a parameter-free model)
       with nn.intercept_methods(_Interceptor(policies, None, found)):
@@ -277,12 +270,12 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     # path and effective compute dtype of every intercepted module call.
     owners: dict[tuple, np.dtype] = {}
     discover = _Interceptor(policies, owners)
-    output_paths: frozenset[tuple] = frozenset()
+    output_calls: frozenset[CallKey] = frozenset()
 
     def trace(v):
-      nonlocal output_paths
+      nonlocal output_calls
       run(v)
-      output_paths = output_chain(discover.calls)
+      output_calls = output_chain(discover.calls)
       discover.calls.clear()
 
     with nn.intercept_methods(discover):
@@ -295,7 +288,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
     if isinstance(variables, FrozenDict):
       cast = FrozenDict(cast)
-    with nn.intercept_methods(_Interceptor(policies, None, found, output_paths)):
+    with nn.intercept_methods(_Interceptor(policies, None, found, output_calls)):
       out = run(cast)
     warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
 
@@ -351,7 +344,7 @@ def policy_init(
   policies = as_module_policies(policy, options, "policy_init")
 
   def init_fn(rngs: Any, *args: Any, **kwargs: Any) -> Any:
-    found: dict[str, tuple[str, np.dtype, np.dtype]] = {}
+    found: dict[str, ExplicitDtype] = {}
     with nn.intercept_methods(_Interceptor(policies, None, found)):
       variables = module.init(rngs, *args, **kwargs)
     warn_explicit_dtypes(policies, found, "policy_init", stacklevel=2)

@@ -11,11 +11,20 @@ is that wrapper: linen calls it from its method interceptor
 Both also find the layers that compute the model's output the same way: they
 trace the model once abstractly, :func:`cast_call` records every call
 (:class:`CallRecord`), and :func:`output_chain` follows the model's output
-down through the calls that returned it.
+down through the calls that returned it. What is found is a set of *calls*,
+not of modules (:class:`CallKey`: the module's path, the method and how many
+calls of it came before): a tied embedding's ``attend`` computes the logits
+while its lookup, the same module, feeds the first block, and a module called
+both inside the model and as its head returns the output dtype only from the
+head call. Runs of one model make the same calls in the same order, so the
+keys :class:`CallCounter` gives in the abstract trace name the same calls in
+the run that follows.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
@@ -39,16 +48,74 @@ def _checkpointed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
   return jax.checkpoint(call)(*arrays)
 
 
+@contextlib.contextmanager
+def attributes_set(module: Any, updates: Mapping[str, Any]):
+  """Sets attributes of a module for the duration of one call.
+
+  Linen modules are frozen dataclasses, so ``object.__setattr__`` is the only
+  way in; NNX refuses ``setattr`` below the trace a module was built at (a
+  call inside ``vmap`` or ``scan``). The instance is the bound clone
+  ``apply`` made for this call (linen) or the view's copy (NNX), never the
+  user's module, and the old values come back on exit, so nothing outlives
+  the call.
+  """
+  saved = {name: getattr(module, name) for name in updates}
+  for name, value in updates.items():
+    object.__setattr__(module, name, value)
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      object.__setattr__(module, name, value)
+
+
+class CallKey(NamedTuple):
+  """One call of a module method in one run of a model.
+
+  Attributes:
+    path: the module's path in the model.
+    method: the method called (``"__call__"``, ``"attend"``...).
+    number: how many calls of that method of that module came before it in
+      the run.
+  """
+
+  path: tuple
+  method: str
+  number: int
+
+
+class CallCounter:
+  """Numbers the module calls of one run of a model (:class:`CallKey`)."""
+
+  def __init__(self) -> None:
+    self._seen: collections.Counter[tuple[tuple, str]] = collections.Counter()
+
+  def key(self, path: tuple, method: str) -> CallKey:
+    """Returns the key of the call of ``method`` of the module at ``path`` starting now.
+
+    Args:
+      path: the module's path in the model.
+      method: the method's name.
+
+    Returns:
+      Its :class:`CallKey`; the next call of the same method gets the next number.
+    """
+    name = (tuple(path), method)
+    number = self._seen[name]
+    self._seen[name] = number + 1
+    return CallKey(name[0], method, number)
+
+
 class CallRecord(NamedTuple):
   """One module call seen while tracing a model to find its output layers.
 
   Attributes:
-    path: the module's path in the model.
+    call: which call it was.
     raw: the array leaves the module computed.
     returned: the array leaves it returned (after its output cast).
   """
 
-  path: tuple
+  call: CallKey
   raw: list
   returned: list
 
@@ -66,7 +133,7 @@ def cast_call(
   *,
   recompute: bool,
   record: list[CallRecord] | None,
-  path: tuple,
+  call: CallKey | None,
 ) -> Any:
   """Calls ``fn`` with floating inputs in ``compute_dtype``, returns outputs in ``output_dtype``.
 
@@ -81,30 +148,31 @@ def cast_call(
       the rest.
     record: while the model's output layers are being found, the list to
       which a :class:`CallRecord` of this call is appended (in exit order).
-    path: the module's path, for the record.
+    call: the key of this call, for the record (``None``: not recorded).
 
   Returns:
     ``fn``'s result with its floating array leaves in ``output_dtype``.
   """
 
-  def call(*args, **kwargs):
+  def narrow(*args, **kwargs):
     args, kwargs = cast_floating((args, kwargs), compute_dtype)
     return fn(*args, **kwargs)
 
-  out = _checkpointed(call, args, kwargs) if recompute else call(*args, **kwargs)
+  out = _checkpointed(narrow, args, kwargs) if recompute else narrow(*args, **kwargs)
   returned = cast_floating(out, output_dtype)
-  if record is not None:
-    record.append(CallRecord(tuple(path), _arrays(out), _arrays(returned)))
+  if record is not None and call is not None:
+    record.append(CallRecord(call, _arrays(out), _arrays(returned)))
   return returned
 
 
-def output_chain(records: list[CallRecord]) -> frozenset[tuple]:
-  """The modules whose output is (part of) the model's output, from the calls of one trace.
+def output_chain(records: list[CallRecord]) -> frozenset[CallKey]:
+  """The calls whose output is (part of) the model's output, from the calls of one trace.
 
-  Matched by identity, from the outermost call down: a module is in the chain
+  Matched by identity, from the outermost call down: a call is in the chain
   if what it returned is part of the raw output of one already in it (the
   outermost call is), so the chain from the model down to the layer that
-  computes its output is found. A module whose result is transformed before
+  computes its output is found. Other calls of the same modules (a tied
+  embedding's lookup) are not in it. A module whose result is transformed before
   it is returned (``.astype``, a division, a lifted transform) ends the
   chain. The records hold the arrays, so their ids are not reused while this
   runs.
@@ -113,13 +181,13 @@ def output_chain(records: list[CallRecord]) -> frozenset[tuple]:
     records: the calls of one trace in exit order, the outermost call last.
 
   Returns:
-    The paths of the modules in the chain.
+    The keys of the calls in the chain.
   """
-  found: set[tuple] = set()
+  found: set[CallKey] = set()
   wanted: set[int] = set()
-  for i, (path, raw, returned) in enumerate(reversed(records)):
+  for i, (call, raw, returned) in enumerate(reversed(records)):
     if i == 0 or wanted & {id(x) for x in returned}:
-      found.add(path)
+      found.add(call)
       wanted |= {id(x) for x in raw}
   return frozenset(found)
 

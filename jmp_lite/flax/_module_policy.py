@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -614,39 +613,3 @@ def explicit_dtype(module: Any) -> np.dtype | None:
   except (TypeError, ValueError):  # some other meaning of "dtype"
     return None
   return dtype if jnp.issubdtype(dtype, jnp.floating) else None
-
-
-def warn_explicit_dtypes(
-  policies: ModulePolicies,
-  found: Mapping[str, tuple[str, np.dtype, np.dtype]],
-  caller: str,
-  stacklevel: int,
-) -> None:
-  """Issues one :class:`ExplicitDtypeWarning` naming every module in ``found``.
-
-  Nothing is issued unless ``policies.explicit_dtypes`` is ``"warn"``.
-
-  Args:
-    policies: what the model runs under.
-    found: ``{path: (class name, the module's dtype, the policy's dtype)}``.
-    caller: the public function the user called, for the message.
-    stacklevel: as for :func:`warnings.warn`, counted from the caller of this function.
-  """
-  if policies.explicit_dtypes != "warn":
-    return
-  if not found:
-    return
-  names = "; ".join(
-    f"{path or '(the model)'} ({cls}: dtype={dtype.name}, policy: {np.dtype(policy).name})"
-    for path, (cls, dtype, policy) in found.items()
-  )
-  warnings.warn(
-    f"{caller}: {len(found)} module(s) were built with an explicit dtype= other than the "
-    f"compute dtype the policy gives them, and compute in their own dtype (so do the "
-    f"modules inside them without a dtype of their own): {names}. To train in the policy's "
-    "dtype, drop dtype= from these modules (Flax's default dtype=None follows the policy) "
-    "or pass explicit_dtypes='policy'; if the dtypes are deliberate, pass "
-    "explicit_dtypes='keep' to silence this warning.",
-    ExplicitDtypeWarning,
-    stacklevel=stacklevel + 1,
-  )

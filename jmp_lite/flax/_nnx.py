@@ -49,9 +49,18 @@ from flax.nnx.graph import is_graph_node
 
 from jmp_lite._context import Ambient
 from jmp_lite._policy import Policy, cast_floating
+from jmp_lite._policy_scope import policy_scope
 from jmp_lite._tree_util import is_array, split_leaves
+from jmp_lite.flax._explicit_dtypes import (
+  ExplicitDtype,
+  explicit_dtype_entry,
+  warn_explicit_dtypes,
+)
 from jmp_lite.flax._module_call import (
+  CallCounter,
+  CallKey,
   CallRecord,
+  attributes_set,
   cast_call,
   enclosing_entry,
   output_chain,
@@ -61,7 +70,6 @@ from jmp_lite.flax._module_policy import (
   ModulePrecision,
   as_module_policies,
   explicit_dtype,
-  warn_explicit_dtypes,
 )
 
 M = TypeVar("M", bound=nnx.Module)
@@ -70,6 +78,10 @@ _F32 = np.dtype(jnp.float32)
 # While a view's output chain is being discovered: the list receiving a CallRecord of
 # every wrapped call, in exit order.
 _DISCOVERY: Ambient[list[CallRecord]] = Ambient("jmp_lite_policy_view_discovery")
+
+# While a view's root is called: the numbering of the calls inside that call, which names
+# the calls of its output chain.
+_CALLS: Ambient[CallCounter] = Ambient("jmp_lite_policy_view_calls")
 
 # Views whose output chain is not discovered yet (until their first call).
 _UNDISCOVERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -90,6 +102,12 @@ class PolicyModule(nnx.Module):
     recompute: run its calls under :func:`jax.checkpoint`, the input cast
       inside, so that the backward pass keeps only the narrow inputs.
     path: its path in the model (to find the model's output layers).
+    policy: the view's policy, on the view's root: its calls run in a policy
+      scope, which marks the model's equations for ``jl.audit``.
+
+  The calls of the module that compute the view's output (found on the view's
+  first call) return the policy's output dtype; its other calls (a tied
+  embedding's lookup) return ``output_dtype``.
   """
 
   def __init__(
@@ -99,24 +117,42 @@ class PolicyModule(nnx.Module):
     output_dtype: np.dtype,
     recompute: bool = False,
     path: tuple = (),
+    policy: Policy | None = None,
   ):
     self.module = module
     self._compute_dtype = np.dtype(compute_dtype)
     self._output_dtype = np.dtype(output_dtype)
     self._recompute = bool(recompute)
     self._path = tuple(path)
+    self._policy = policy
+    # The calls in the view's output chain, the dtype they return and the attributes
+    # their module runs with (the fp32 output kernels); set on the first call.
+    self._wide_calls: frozenset[CallKey] = frozenset()
+    self._wide_output_dtype = self._output_dtype
+    self._wide_attributes: tuple[tuple[str, Any], ...] = ()
 
-  def _cast_call(self, fn, *args, **kwargs):
-    return cast_call(
-      fn,
-      args,
-      kwargs,
-      self._compute_dtype,
-      self._output_dtype,
-      recompute=self._recompute,
-      record=_DISCOVERY.current(),
-      path=self._path,
-    )
+  def _cast_call(self, method: str, fn, *args, **kwargs):
+    if not self._path:  # the view's root: number the calls made inside this one
+      with _CALLS.scope(CallCounter()), policy_scope(self._policy):
+        return self._numbered_call(method, fn, args, kwargs)
+    return self._numbered_call(method, fn, args, kwargs)
+
+  def _numbered_call(self, method: str, fn, args: tuple, kwargs: dict) -> Any:
+    counter = _CALLS.current()
+    # A call outside a call of the view's root (``view.embed.attend(x)``) is in no chain.
+    call = counter.key(self._path, method) if counter is not None else None
+    wide = call in self._wide_calls
+    with attributes_set(self.module, dict(self._wide_attributes) if wide else {}):
+      return cast_call(
+        fn,
+        args,
+        kwargs,
+        self._compute_dtype,
+        self._wide_output_dtype if wide else self._output_dtype,
+        recompute=self._recompute,
+        record=_DISCOVERY.current(),
+        call=call,
+      )
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     """Calls the wrapped module with its inputs and outputs cast.
@@ -132,7 +168,7 @@ class PolicyModule(nnx.Module):
     if pending is not None and _DISCOVERY.current() is None:
       policies, resolved, wrappers = pending
       self._widen_output_layers(policies, resolved, wrappers, args, kwargs)
-    return self._cast_call(self.module, *args, **kwargs)
+    return self._cast_call("__call__", self.module, *args, **kwargs)
 
   def _widen_output_layers(
     self,
@@ -145,9 +181,10 @@ class PolicyModule(nnx.Module):
     """Lets the layers that compute the view's output produce the output dtype.
 
     Once, on the first call: an abstract trace (``nnx.eval_shape``, on a copy
-    of the view) finds the chain of modules whose output is the view's output
-    by identity (as in :func:`~jmp_lite.flax.policy_apply`); their kernels then
-    return the policy's output dtype (fp32 logits) instead of a rounded one.
+    of the view) finds the chain of calls whose output is the view's output
+    by identity (as in :func:`~jmp_lite.flax.policy_apply`); in those calls
+    the modules' kernels then return the policy's output dtype (fp32 logits)
+    instead of a rounded one.
     """
     # Arrays and NNX objects (Rngs) are traced; other arguments (a train flag,
     # a mode string) stay what they are.
@@ -162,15 +199,17 @@ class PolicyModule(nnx.Module):
     calls: list[CallRecord] = []
     with _DISCOVERY.scope(calls):
       nnx.eval_shape(call, self, traced)
-    for path in output_chain(calls):
+    chain = output_chain(calls)
+    for path in {key.path for key in chain}:
       wrapper, r = wrappers[path], resolved[path]
       updates = policies.attribute_updates(wrapper.module, r, wide_output=True)
       # Static attributes of the view's own objects. The first call may be
       # inside a transform (vmap, scan) below the trace the view was built at,
       # where NNX refuses setattr; nothing traced is stored.
-      object.__setattr__(wrapper, "_output_dtype", np.dtype(r.root_output_dtype))
-      for name, value in updates.items():
-        object.__setattr__(wrapper.module, name, value)
+      wide = frozenset(key for key in chain if key.path == path)
+      object.__setattr__(wrapper, "_wide_calls", wide)
+      object.__setattr__(wrapper, "_wide_output_dtype", np.dtype(r.root_output_dtype))
+      object.__setattr__(wrapper, "_wide_attributes", tuple(updates.items()))
 
   def __getattr__(self, name: str) -> Any:
     # Only reached for names PolicyModule itself lacks. NNX reads private
@@ -179,7 +218,7 @@ class PolicyModule(nnx.Module):
       raise AttributeError(name)
     value = getattr(self.module, name)
     if callable(value) and getattr(value, "__self__", None) is self.module:
-      return functools.partial(self._cast_call, value)
+      return functools.partial(self._cast_call, name, value)
     return value
 
 
@@ -262,11 +301,11 @@ def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any)
   return view
 
 
-def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
+def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict[str, ExplicitDtype]]:
   """The view, and the modules whose own dtype differs from the policy's, by path."""
   resolved = _resolve_modules(model, policies)
   found = {
-    "/".join(map(str, path)): (type(module).__name__, r.explicit_dtype, r.policy_dtype)
+    "/".join(map(str, path)): explicit_dtype_entry(module, r)
     for path, module in nnx.iter_modules(model)
     if (r := resolved.get(tuple(path))) is not None and r.explicit_dtype is not None
   }
@@ -293,7 +332,10 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict]:
       for name, value in policies.attribute_updates(node, r).items():
         setattr(node, name, value)  # node belongs to the view, not to the model
       output = r.root_output_dtype if not path else r.output_dtype
-      wrappers[tuple(path)] = PolicyModule(node, r.compute_dtype, output, r.recompute, path)
+      root_policy = None if path else policies.policy
+      wrappers[tuple(path)] = PolicyModule(
+        node, r.compute_dtype, output, r.recompute, path, root_policy
+      )
       return wrappers[tuple(path)]
     return node
 

@@ -31,8 +31,8 @@ from flax import nnx
 
 from jmp_lite import _validation
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, select_tree
-from jmp_lite._transform import LossScalingState, get_loss_scaling_state, loss_scaling
-from jmp_lite.flax._state import has_loss_scaling, mean_over
+from jmp_lite._transform import LossScalingState, get_loss_scaling_state
+from jmp_lite.flax._state import has_loss_scaling, mean_over, with_loss_scaling
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -42,13 +42,17 @@ class Optimizer(nnx.Optimizer[M]):
 
   Args:
     model: the NNX model.
-    tx: the optimizer; with ``loss_scale`` it is wrapped in
-      :func:`jmp_lite.loss_scaling` (pass it unwrapped).
+    tx: the optimizer, wrapped in :func:`jmp_lite.loss_scaling` with
+      ``loss_scale`` (pass it unwrapped); or one that applies
+      ``jl.loss_scaling`` itself, with ``loss_scale=None``.
     wrt: which Variables to optimize, as for :class:`flax.nnx.Optimizer`
       (usually ``nnx.Param``); also what :meth:`value_and_grad`
       differentiates.
     loss_scale: the initial loss scale, e.g. ``jl.DynamicLossScale(2.0 ** 15)``
-      for fp16; ``None`` for none (``tx`` is then used as is).
+      for fp16. ``None`` is ``jl.NoOpLossScale()`` (no scaling; non-finite
+      steps are still skipped and counted), unless ``tx`` applies loss scaling
+      itself: it is then used as it is. A ``loss_scale`` with such a ``tx`` is
+      refused (ValueError): the gradients would be unscaled twice.
     axis_name: under ``shard_map``/``pmap``, the data-parallel axis:
       :meth:`value_and_grad` averages the gradients over its devices and
       they agree on skipping a step (see :func:`jmp_lite.loss_scaling`), so
@@ -66,8 +70,13 @@ class Optimizer(nnx.Optimizer[M]):
     axis_name: Any = None,
     graph: bool | None = None,
   ):
-    if loss_scale is not None:
-      tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
+    tx = with_loss_scaling(
+      tx,
+      loss_scale,
+      nnx.state(model, wrt, graph=graph),
+      axis_name=axis_name,
+      caller="jl.flax.Optimizer",
+    )
     super().__init__(model, tx, wrt=wrt, graph=graph)
     self.axis_name = axis_name
 
@@ -75,8 +84,10 @@ class Optimizer(nnx.Optimizer[M]):
   def loss_scaling_state(self) -> LossScalingState:
     """The :class:`~jmp_lite.LossScalingState` (as plain arrays): scale and counters to log.
 
+    Present with ``loss_scale=None`` too (a scale of 1).
+
     Raises:
-      ValueError: if the optimizer has no loss scaling.
+      ValueError: if ``opt_state`` holds none (replaced by hand), or more than one.
     """
     # NNX stores optimizer state leaves as OptState Variables; as_pure gives arrays.
     return get_loss_scaling_state(nnx.as_pure(self.opt_state))

@@ -5,19 +5,54 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import optax
 from jax import lax
 
-from jmp_lite._transform import get_loss_scaling_state
+from jmp_lite._loss_scale import LossScale, NoOpLossScale
+from jmp_lite._transform import (
+  loss_scaling,
+  loss_scaling_states,
+  nested_loss_scaling_message,
+)
 from jmp_lite.layerwise import LayerwiseGrads
+
+
+def with_loss_scaling(
+  tx: optax.GradientTransformation,
+  loss_scale: LossScale | None,
+  params: Any,
+  *,
+  axis_name: Any,
+  caller: str,
+) -> optax.GradientTransformation:
+  """``tx`` with loss scaling applied exactly once.
+
+  ``loss_scale=None`` means ``NoOpLossScale()`` for a bare ``tx`` (steps with
+  non-finite gradients are skipped and the counters kept), and ``tx`` as it is
+  when it applies loss scaling itself. A ``loss_scale`` for a ``tx`` that
+  already applies it is refused: the gradients would be unscaled twice. Whether
+  it does is read from its state, initialized abstractly (``jax.eval_shape``:
+  no FLOPs), so a chain or ``MultiSteps`` containing ``jl.loss_scaling`` counts.
+  """
+  inside = len(loss_scaling_states(jax.eval_shape(tx.init, params)))
+  if loss_scale is None:
+    return tx if inside else loss_scaling(tx, NoOpLossScale(), axis_name=axis_name)
+  if inside:
+    raise ValueError(
+      nested_loss_scaling_message(
+        f"{caller} got loss_scale={type(loss_scale).__name__}(...) and a tx that already "
+        "applies loss scaling (built with jl.loss_scaling)",
+        inside + 1,
+        "Pass one of them: the bare optimizer with loss_scale=..., or that tx with "
+        "loss_scale=None.",
+      )
+    )
+  return loss_scaling(tx, loss_scale, axis_name=axis_name)
 
 
 def has_loss_scaling(opt_state: Any) -> bool:
   """Whether ``opt_state`` holds a :class:`jmp_lite.LossScalingState`."""
-  try:
-    get_loss_scaling_state(opt_state)
-  except ValueError:
-    return False
-  return True
+  return bool(loss_scaling_states(opt_state))
 
 
 def mean_over(grads: Any, loss: Any, axis_name: Any) -> Any:

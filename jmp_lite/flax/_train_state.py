@@ -44,12 +44,11 @@ from jmp_lite._transform import (
   LossScalingState,
   get_loss_scale,
   get_loss_scaling_state,
-  loss_scaling,
   scaled_value_and_grad,
 )
 from jmp_lite.flax._linen import policy_apply
 from jmp_lite.flax._module_policy import ModulePolicies, ModulePolicy, as_module_policies
-from jmp_lite.flax._state import has_loss_scaling, mean_over
+from jmp_lite.flax._state import has_loss_scaling, mean_over, with_loss_scaling
 
 
 class TrainState(train_state.TrainState):
@@ -88,12 +87,15 @@ class TrainState(train_state.TrainState):
         replaced by :func:`~jmp_lite.flax.policy_apply` of that model.
       params: the parameters, stored in the policy's param dtype (cast if
         needed, so the optimizer state matches).
-      tx: the optimizer. With ``loss_scale``, it is wrapped in
-        :func:`jmp_lite.loss_scaling` (pass it unwrapped).
+      tx: the optimizer, wrapped in :func:`jmp_lite.loss_scaling` with
+        ``loss_scale`` (pass it unwrapped); or one that applies
+        ``jl.loss_scaling`` itself, with ``loss_scale=None``.
       policy: the precision policy: a :class:`~jmp_lite.flax.ModulePolicies`,
         or a :class:`~jmp_lite.Policy` or policy string.
       loss_scale: the initial loss scale, e.g. ``jl.DynamicLossScale(2.0 ** 15)``
-        for fp16; ``None`` for no loss scaling (bf16 needs none).
+        for fp16. ``None`` is ``jl.NoOpLossScale()`` (no scaling, which bf16
+        needs; non-finite steps are still skipped and counted), unless ``tx``
+        applies loss scaling itself: it is then used as it is.
       overrides: per-module-class overrides for a ``Policy``, see
         :class:`~jmp_lite.flax.ModulePolicies` (beside a ``ModulePolicies``
         they must agree with its own).
@@ -110,7 +112,9 @@ class TrainState(train_state.TrainState):
     Raises:
       TypeError: if ``policy`` is given but ``apply_fn`` is not ``model.apply``
         of a linen module; if ``overrides`` is given without ``policy``.
-      ValueError: for ``overrides`` that conflict with a ``ModulePolicies``.
+      ValueError: for ``overrides`` that conflict with a ``ModulePolicies``;
+        for a ``loss_scale`` with a ``tx`` that already applies loss scaling
+        (the gradients would be unscaled twice).
     """
     base_policy = None
     if policy is not None:
@@ -129,8 +133,9 @@ class TrainState(train_state.TrainState):
       params = base_policy.cast_to_param(params)
     elif overrides is not None:
       raise TypeError("overrides only apply together with policy=...; got policy=None.")
-    if loss_scale is not None:
-      tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
+    tx = with_loss_scaling(
+      tx, loss_scale, params, axis_name=axis_name, caller="jl.flax.TrainState.create"
+    )
     state = super().create(
       apply_fn=apply_fn, params=params, tx=tx, policy=base_policy, axis_name=axis_name, **kwargs
     )
@@ -143,10 +148,12 @@ class TrainState(train_state.TrainState):
     """The :class:`~jmp_lite.LossScalingState` in ``opt_state``.
 
     Its ``skipped_steps``, ``consecutive_skips`` and ``last_finite`` are the
-    counters to log.
+    counters to log (a state from :meth:`create` always has them, with
+    ``loss_scale=None`` too).
 
     Raises:
-      ValueError: if ``tx`` has no loss scaling.
+      ValueError: if ``opt_state`` holds none (a state not built by
+        :meth:`create`), or more than one.
     """
     return get_loss_scaling_state(self.opt_state)
 

@@ -220,7 +220,7 @@ class LayerwiseLossScale:
     fun: Callable[..., Any],
     *,
     has_aux: bool = False,
-    argnums: Any = 0,
+    argnums: Any = None,
     value_and_grad: ValueAndGradTransform = jax.value_and_grad,
   ) -> Callable[..., tuple[Any, LayerwiseGrads]]:
     """Gradients with stage ``k`` at scale ``S_k``, plus the boundary statistics.
@@ -230,7 +230,8 @@ class LayerwiseLossScale:
         :func:`stage_boundary` calls mark the stages.
       has_aux: as in :func:`jax.value_and_grad`.
       argnums: the one argument to differentiate (the parameters, or an NNX
-        model), in the form ``value_and_grad`` takes.
+        model), in the form ``value_and_grad`` takes; ``None`` (default): the
+        first, and ``argnums`` is not passed (``eqx.filter_value_and_grad``).
       value_and_grad: the differentiation transform, with
         :func:`jax.value_and_grad`'s signature.
 
@@ -333,15 +334,25 @@ def _value_and_grad(
   num_boundaries: int = scale.num_stages - 1  # type: ignore[operator]  # an int once built
 
   def value_and_scaled_grad(*args: Any, **kwargs: Any) -> tuple[Any, LayerwiseGrads]:
-    # The probes come last and are differentiated too: their gradient is the statistics.
+    # The probes are differentiated too: their gradient is the statistics. They come last,
+    # or, when the transform picks its own argument (the first), travel with that one.
+    scale_loss = lambda value: _tree_util.scale_tree(value, scales[-1])
+    probes = zero_probes(num_boundaries)
+    if argnums is None:
+      with_first = lambda first, *rest, **kw: fun_with_probes(first[0], *rest, first[1], **kw)
+      grad_fn = grad_of_scaled_loss(
+        with_first, scale_loss, has_aux=has_aux, argnums=None, value_and_grad=value_and_grad
+      )
+      value, (grads, stats) = grad_fn((args[0], probes), *args[1:], **kwargs)
+      return value, LayerwiseGrads(grads, stats)
     grad_fn = grad_of_scaled_loss(
       fun_with_probes,
-      lambda value: _tree_util.scale_tree(value, scales[-1]),
+      scale_loss,
       has_aux=has_aux,
       argnums=(argnums, len(args)),
       value_and_grad=value_and_grad,
     )
-    value, (grads, stats) = grad_fn(*args, zero_probes(num_boundaries), **kwargs)
+    value, (grads, stats) = grad_fn(*args, probes, **kwargs)
     return value, LayerwiseGrads(grads, stats)
 
   return value_and_scaled_grad

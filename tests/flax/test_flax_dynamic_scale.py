@@ -547,3 +547,23 @@ def test_axis_name_averages_and_agrees_like_flax_under_pmap(run_on_8_devices):
   assert np.all(b == b[:1]) and np.all(np.isfinite(b))
   np.testing.assert_allclose(b[0], out["reference_b"], rtol=1e-6)
   np.testing.assert_array_equal(np.isfinite(ours["w"]), [[[True] * 3, [False] * 3]] * 8)
+
+
+def test_a_dynamic_scale_built_after_a_donated_step_has_buffers_of_its_own():
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(ds):
+    return ds.value_and_grad(_square)(jnp.float32(1.0)).dynamic_scale
+
+  scale = jnp.float32(2.0**10)
+  first = ours_lib.DynamicScale(growth_interval=1, scale=scale)
+  restored = serialization.from_state_dict(first, serialization.to_state_dict(first))
+  narrower = first.replace(growth_interval=2)
+  assert float(step(first).scale) == 2.0**11
+  assert first.scale.is_deleted()  # the step did consume it
+  # Built from the same array, restored from its state dict, or replaced: not consumed with it.
+  assert float(scale) == 2.0**10
+  for ds in (ours_lib.DynamicScale(growth_interval=1, scale=scale), restored):
+    assert float(step(ds).scale) == 2.0**11
+  assert (float(narrower.scale), int(narrower.fin_steps)) == (2.0**10, 0)
+  grown = step(narrower)
+  assert (float(grown.scale), int(grown.fin_steps)) == (2.0**10, 1)

@@ -652,3 +652,36 @@ def test_documented_difference_overflow_stays_visible():
   y, *_ = jax.jit(our_step)(variables, our_state(SCALES), x, g)
   assert np.isfinite(y_flax).all()
   assert not np.isfinite(y[0]).any() and np.isfinite(y[1:]).all()
+
+
+# Donation --------------------------------------------------------------------------------
+
+
+def test_fp8_states_initialized_after_a_donated_step_have_buffers_of_their_own():
+  x = inputs(shape=(2, 4))
+
+  def linen_variables():
+    with flax_fp8.linen_fp8(CONFIG):
+      return nn.Dense(3).init(jax.random.key(0), x)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def linen_step(state):
+    observed = jax.tree.map(lambda a: a + 8.0, fp8.zeros_amax(state))
+    return fp8.update(state, observed, CONFIG)
+
+  @functools.partial(nnx.jit, donate_argnums=0)
+  def nnx_step(model):
+    flax_fp8.nnx_value_and_grad(lambda m: jnp.sum(m(x)))(model)
+
+  linen_scales, nnx_scales = [], []
+  for _ in range(2):  # a second run: a fresh init of each kind
+    state = linen_variables()[flax_fp8.STATE_COLLECTION]
+    assert float(state[flax_fp8.VARIABLE_NAME].input.scale) == 1.0
+    linen_scales.append(float(linen_step(state)[flax_fp8.VARIABLE_NAME].input.scale))
+    assert state[flax_fp8.VARIABLE_NAME].input.scale.is_deleted()
+    model = flax_fp8.nnx_fp8(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), CONFIG)
+    assert float(model.dot_general.input_scale.get_value()) == 1.0
+    nnx_step(model)
+    nnx_scales.append(float(model.dot_general.input_scale.get_value()))
+  assert linen_scales == [float(np.float32(8.0) / np.float32(448.0))] * 2
+  assert nnx_scales == [float(jnp.max(jnp.abs(x)) / np.float32(448.0))] * 2

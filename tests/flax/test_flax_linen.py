@@ -444,6 +444,31 @@ def test_methods_mutable_params_and_init():
   assert new["params"]["dense"]["kernel"] is concrete["params"]["dense"]["kernel"]
 
 
+class SharedHead(nn.Module):
+  """One Dense called twice: inside the model, and again as its head."""
+
+  @nn.compact
+  def __call__(self, x):
+    shared = nn.Dense(x.shape[-1], name="shared")
+    return shared(nn.Dense(x.shape[-1])(nn.gelu(shared(x))))
+
+
+def test_only_the_call_computing_the_output_returns_the_output_dtype():
+  model, x = SharedHead(), jax.random.normal(jax.random.key(1), (2, 4))
+  variables = jit(model.init)(jax.random.key(0), x)
+  apply = jlf.policy_apply(model, POLICY)
+  capture = lambda m, method: m.name == "shared"
+  run = jit(lambda v: apply(v, x, capture_intermediates=capture, mutable=["intermediates"]))
+  out, state = run(variables)
+  inner, head = state["intermediates"]["shared"]["__call__"]
+  # The inner call hands bf16 to the next layer, the head call returns the fp32 output.
+  assert (inner.dtype, head.dtype, out.dtype) == (BF16, F32, F32)
+  np.testing.assert_array_equal(head, out)
+  # Three bf16 matmuls; only the head call's produces fp32, straight from the matmul.
+  assert check_lean_products(jax.make_jaxpr(apply)(variables, x), wide=1) == 3
+  assert rel_error(out, jit(model.apply)(variables, x)) < 0.02
+
+
 def test_partitioned_params_keep_their_metadata():
   model = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.ones, (None, "model")))
   x = jnp.ones((2, 3))

@@ -1,8 +1,13 @@
+import functools
+import inspect
+from typing import Any
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from flax_testing import BF16, F16, F32
+from flax_testing import BF16, F16, F32, explicit_dtype_warnings
 from jax import lax
 
 import jmp_lite as jl
@@ -300,3 +305,89 @@ def test_explicit_module_dtypes_are_kept_or_replaced():
 )
 def test_explicit_dtype_reads_the_dtype_attribute(module, expected):
   assert explicit_dtype(module) == expected
+
+
+class FlaxExamplesModel(nn.Module):
+  """As Flax's examples write a model: a dtype field, fp32 by default, handed to every layer."""
+
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, dtype=self.dtype)(x)
+
+
+class NnxExamplesModel(nnx.Module):
+  def __init__(self, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.dense = nnx.Linear(3, 2, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense(x)
+
+
+def _location(record) -> tuple[str, int]:
+  """Where the one ExplicitDtypeWarning in ``record`` points."""
+  (warning,) = [w for w in record if w.category is jlf.ExplicitDtypeWarning]
+  return warning.filename, warning.lineno
+
+
+# transform(f)(*args) traces f with no frame of this file between the call and JAX.
+@pytest.mark.parametrize(
+  "transform",
+  [jax.jit, functools.partial(functools.partial, jax.eval_shape)],
+  ids=["jit", "eval_shape"],
+)
+def test_explicit_dtype_warning_points_at_the_users_call(transform):
+  # Traced by jax.jit or jax.eval_shape (as MaxText initializes), an entry point is
+  # called by JAX's tracing machinery; the warning names the line that called JAX.
+  model, x, key = FlaxExamplesModel(), jnp.ones((1, 3)), jax.random.key(0)
+  init, apply = jlf.policy_init(model, POLICY), jlf.policy_apply(model, POLICY)
+  with pytest.warns(jlf.ExplicitDtypeWarning) as record:
+    line = inspect.currentframe().f_lineno + 1
+    variables = transform(init)(key, x)
+  assert _location(record) == (__file__, line)
+  with pytest.warns(jlf.ExplicitDtypeWarning) as record:
+    line = inspect.currentframe().f_lineno + 1
+    transform(apply)(variables, x)
+  assert _location(record) == (__file__, line)
+  # Inside a differentiated loss: the loss's call of apply_fn.
+  loss = lambda v: apply(v, x).sum()
+  line = inspect.currentframe().f_lineno - 1
+  with pytest.warns(jlf.ExplicitDtypeWarning) as record:
+    transform(jax.grad(loss))(variables)
+  assert _location(record) == (__file__, line)
+  view = lambda: jlf.policy_view(NnxExamplesModel(rngs=nnx.Rngs(0)), POLICY)(x)
+  line = inspect.currentframe().f_lineno - 1
+  with pytest.warns(jlf.ExplicitDtypeWarning) as record:
+    transform(view)()
+  assert _location(record) == (__file__, line)
+
+
+def test_explicit_dtype_warning_tells_a_class_default_from_a_dtype_passed():
+  x = jnp.ones((1, 3))
+  init = lambda model: jlf.policy_init(model, POLICY)(jax.random.key(0), x)
+  # The model's dtype is its field's default, never passed; its Dense is built with one.
+  (message,) = explicit_dtype_warnings(jax.eval_shape, lambda: init(FlaxExamplesModel()))
+  assert message.startswith("policy_init: 2 module(s) have a dtype other than the compute dtype")
+  assert "(the model) (FlaxExamplesModel: its class default dtype=float32, policy: bfloat16)" in (
+    message
+  )
+  assert "Dense_0 (Dense: built with dtype=float32, policy: bfloat16)" in message
+  assert "drop dtype= where these modules are built and make dtype=None the class default" in (
+    message
+  )
+  (message,) = explicit_dtype_warnings(
+    jax.eval_shape, lambda: init(FlaxExamplesModel(dtype=jnp.float16))
+  )
+  assert "(the model) (FlaxExamplesModel: built with dtype=float16, policy: bfloat16)" in message
+  assert "class default" not in message and "explicit_dtypes='keep'" in message
+  # NNX: the __init__ default is a class default; a layer's attribute may have been set by
+  # its class (nnx.Embed takes its param_dtype), so it is named as the attribute it is.
+  view = lambda model: jlf.policy_view(model, POLICY)
+  (message,) = explicit_dtype_warnings(view, NnxExamplesModel(rngs=nnx.Rngs(0)))
+  assert message.startswith("policy_view: 2 module(s)")
+  assert "(the model) (NnxExamplesModel: its class default dtype=float32, policy: bfloat16)" in (
+    message
+  )
+  assert "dense (Linear: dtype=float32, policy: bfloat16)" in message

@@ -256,6 +256,38 @@ def test_methods_and_attributes_read_through_the_view():
   assert any(in_dtypes(e) == (F32, F32) for e in products(jaxpr))
 
 
+class SharedHead(nnx.Module):
+  """One Linear called twice: inside the model, and again as its head."""
+
+  def __init__(self, width: int = 4, *, rngs: nnx.Rngs):
+    self.shared = nnx.Linear(width, width, rngs=rngs)
+    self.mid = nnx.Linear(width, width, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.shared(x)
+    self.sow(nnx.Intermediate, "inner", h)
+    return self.shared(self.mid(nnx.gelu(h)))
+
+
+def test_only_the_call_computing_the_output_returns_the_output_dtype():
+  model, x = nnx_model(SharedHead), jax.random.normal(jax.random.key(1), (2, 4))
+  forward = lambda m: nnx.capture(m, nnx.Intermediate)(x)
+  out, state = jit(lambda: forward(jlf.policy_view(model, POLICY)))()
+  (inner,) = state["module"]["inner"].get_value()
+  # The inner call hands bf16 to the next layer, the head call returns the fp32 output.
+  assert (inner.dtype, out.dtype) == (BF16, F32)
+  # Three bf16 matmuls; only the head call's produces fp32, straight from the matmul.
+  jaxpr = jax.make_jaxpr(lambda: forward(jlf.policy_view(model, POLICY)))()
+  assert check_lean_products(jaxpr, wide=1) == 3
+  # Later calls of the view, and calls of a submodule outside a call of the view,
+  # return what they return inside the model.
+  twice = jax.eval_shape(lambda: [forward(jlf.policy_view(model, POLICY))[0] for _ in "ab"])
+  assert [o.dtype for o in twice] == [F32, F32]
+  assert jax.eval_shape(jlf.policy_view(model, POLICY).shared, x).dtype == BF16
+  graphdef, params = nnx.split(model)  # plain NNX, on a copy made inside the trace
+  assert rel_error(out, jit(lambda p: forward(nnx.merge(graphdef, p))[0])(params)) < 0.02
+
+
 def _dtypes_in(jaxpr) -> set:
   return {np.dtype(v.aval.dtype) for e in eqns(jaxpr) for v in (*e.invars, *e.outvars)}
 

@@ -66,9 +66,9 @@ def test_without_loss_scale_it_is_nnx_optimizer():
   model, toks = nnx_model(NnxLM), tokens()
   optimizer = jlf.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   assert isinstance(optimizer, nnx.Optimizer)
+  # No loss scale is NoOpLossScale(): nothing scaled, the counters kept all the same.
   assert isinstance(optimizer.loss_scale, jl.NoOpLossScale)
-  with pytest.raises(ValueError, match="loss_scaling"):
-    optimizer.loss_scaling_state  # noqa: B018
+  assert int(optimizer.loss_scaling_state.skipped_steps) == 0
   loss_fn = lambda m: lm_loss(m(toks), toks)
   # Unscaled: the same value and gradients as nnx.value_and_grad.
   (value, grads), (ref_value, ref_grads) = nnx.eval_shape(
@@ -173,3 +173,84 @@ def test_a_skipped_step_keeps_batch_stats():
   nnx_compiled(lambda m: jlf.policy_view(m, F16_POLICY)(x), ref)()
   np.testing.assert_allclose(model.bn.mean[...], ref.bn.mean[...], rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(model.bn.var[...], ref.bn.var[...], rtol=1e-6, atol=1e-7)
+
+
+# Loss scaling applied once, and optimizers that own their buffers --------------------------
+
+SCALE = jl.DynamicLossScale(jnp.float32(2.0**15))
+
+
+class _Weight(nnx.Module):
+  def __init__(self):
+    self.w = nnx.Param(jnp.ones(1))
+
+
+def _half_square(model):
+  return 0.5 * jnp.sum(model.w[...] ** 2)  # gradient w
+
+
+def _sgd_step(model, optimizer):
+  _, grads = optimizer.value_and_grad(_half_square)(model)
+  optimizer.update(model, grads)
+
+
+def _sgd_update(tx, **kwargs) -> float:
+  model = _Weight()
+  _sgd_step(model, jlf.Optimizer(model, tx, wrt=nnx.Param, **kwargs))
+  return float(model.w[...][0]) - 1.0
+
+
+def test_loss_scaling_applied_twice_is_refused():
+  wrapped = jl.loss_scaling(optax.sgd(0.5), SCALE)
+  # Once, either way: the update is -lr * w = -0.5.
+  assert _sgd_update(optax.sgd(0.5), loss_scale=SCALE) == -0.5
+  assert _sgd_update(wrapped) == -0.5
+  # Twice: the gradients were unscaled twice, an update of -0.5 / 2^15 = -1.5e-05.
+  with pytest.raises(
+    ValueError,
+    match=r"^jl\.flax\.Optimizer got loss_scale=DynamicLossScale\(\.\.\.\) and a tx that "
+    r"already applies loss scaling .* unscaled 2 times",
+  ):
+    jlf.Optimizer(_Weight(), wrapped, wrt=nnx.Param, loss_scale=SCALE)
+  with pytest.raises(ValueError, match="already applies loss scaling"):
+    jlf.Optimizer(
+      _Weight(), optax.chain(optax.identity(), wrapped), wrt=nnx.Param, loss_scale=SCALE
+    )
+
+
+def test_no_loss_scale_is_noop_loss_scale():
+  optimizers = [
+    jlf.Optimizer(_Weight(), optax.sgd(0.5), wrt=nnx.Param, **kwargs)
+    for kwargs in ({}, {"loss_scale": jl.NoOpLossScale()})
+  ]
+  none, noop = (nnx.as_pure(o.opt_state) for o in optimizers)
+  assert jax.tree.structure(none) == jax.tree.structure(noop)
+  assert _sgd_update(optax.sgd(0.5)) == _sgd_update(optax.sgd(0.5), loss_scale=jl.NoOpLossScale())
+  for kwargs in ({}, {"loss_scale": jl.NoOpLossScale()}):
+    model = _Weight()
+    optimizer = jlf.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param, **kwargs)
+    # A non-finite step is skipped and counted, as with NoOpLossScale().
+    grads = jax.tree.map(lambda g: jnp.full_like(g, jnp.inf), nnx.grad(_half_square)(model))
+    optimizer.update(model, grads)
+    assert float(model.w[...][0]) == 1.0
+    assert int(optimizer.loss_scaling_state.skipped_steps) == 1
+  # A tx that applies loss scaling itself is used as it is.
+  optimizer = jlf.Optimizer(_Weight(), jl.loss_scaling(optax.sgd(0.5), SCALE), wrt=nnx.Param)
+  assert float(optimizer.loss_scale.loss_scale) == 2.0**15
+  assert not isinstance(optimizer.loss_scaling_state.inner_state, jl.LossScalingState)
+
+
+def test_an_optimizer_built_after_a_donated_step_has_buffers_of_its_own():
+  scale = jl.DynamicLossScale(jnp.float32(2.0**10), period=1)
+  step = nnx.jit(_sgd_step, donate_argnums=(0, 1))
+  results = []
+  for _ in range(2):  # a second run from the same loss scale
+    model = _Weight()
+    optimizer = jlf.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param, loss_scale=scale)
+    assert float(optimizer.loss_scale.loss_scale) == 2.0**10
+    loss_scale_arrays = jax.tree.leaves(nnx.as_pure(optimizer.opt_state).loss_scale)
+    step(model, optimizer)
+    assert all(x.is_deleted() for x in loss_scale_arrays)  # the step consumed them
+    results.append((float(model.w[...][0]), float(optimizer.loss_scale.loss_scale)))
+  assert results == [(0.5, 2.0**11)] * 2
+  assert float(scale.loss_scale) == 2.0**10

@@ -95,11 +95,12 @@ def test_subclass_with_batch_stats_and_no_loss_scaling():
     policy="p=f32,c=bf16,o=f32",
     batch_stats=variables["batch_stats"],
   )
+  # No loss scale is NoOpLossScale(): nothing scaled, the counters kept all the same.
   assert isinstance(state.loss_scale, jl.NoOpLossScale)
-  with pytest.raises(ValueError, match="loss_scaling"):
-    state.loss_scaling_state  # noqa: B018
+  assert int(state.loss_scaling_state.skipped_steps) == 0
 
   new, loss = jit(_bn_step)(state, x)
+  assert int(new.loss_scaling_state.steps) == 1 and bool(new.loss_scaling_state.last_finite)
   assert loss.dtype == F32
   assert {v.dtype for v in jax.tree.leaves((new.params, new.batch_stats))} == {F32}
   assert not np.allclose(
@@ -114,7 +115,7 @@ def test_params_are_stored_in_the_policy_param_dtype():
   state = jlf.TrainState.create(
     apply_fn=model.apply, params=params, tx=optax.sgd(1.0), policy="bf16"
   )
-  assert {p.dtype for p in jax.tree.leaves((state.params, state.opt_state))} == {
+  assert {p.dtype for p in jax.tree.leaves((state.params, state.opt_state.inner_state))} == {
     np.dtype(jnp.bfloat16)
   }
 
@@ -130,7 +131,7 @@ def test_create_takes_a_module_policies():
   ref = create(policy="p=bf16,c=bf16,o=f32", overrides={nn.Dense: "f32"})
   assert state.policy == ref.policy == jl.get_policy("p=bf16,c=bf16,o=f32")
   # The params (and so Adam's moments) in the object's param dtype, as with the string.
-  adam = state.opt_state[0]
+  adam = state.opt_state.inner_state[0]
   assert {p.dtype for p in jax.tree.leaves((state.params, adam.mu, adam.nu))} == {
     np.dtype(jnp.bfloat16)
   }
@@ -226,3 +227,88 @@ def test_layerwise_loss_scale_gives_true_gradients():
   moved = jax.tree.map(lambda a, b: (b - a) / -lr, params, new.params)
   for name, err in leaf_rel_errors(moved, true).items():
     assert err < 1e-6, name
+
+
+# Loss scaling applied once, and states that own their buffers -----------------------------
+
+SCALE = jl.DynamicLossScale(jnp.float32(2.0**15))
+
+
+def _half_square(params):
+  return 0.5 * jnp.sum(params["w"] ** 2)  # gradient w
+
+
+def _sgd_state(**kwargs):
+  return jlf.TrainState.create(
+    apply_fn=lambda variables: variables, params={"w": jnp.ones(1)}, **kwargs
+  )
+
+
+def _sgd_step(state):
+  _, grads = state.value_and_grad(_half_square)(state.params)
+  return state.apply_gradients(grads=grads)
+
+
+def _sgd_update(state) -> float:
+  return float(_sgd_step(state).params["w"][0] - state.params["w"][0])
+
+
+def test_loss_scaling_applied_twice_is_refused():
+  bare, wrapped = optax.sgd(0.5), jl.loss_scaling(optax.sgd(0.5), SCALE)
+  # Once, either way: the update is -lr * w = -0.5.
+  assert _sgd_update(_sgd_state(tx=bare, loss_scale=SCALE)) == -0.5
+  assert _sgd_update(_sgd_state(tx=wrapped)) == -0.5
+  # Twice (tx built with jl.loss_scaling as every getting-started page does, and loss_scale=):
+  # the gradients were unscaled twice, an update of -0.5 / 2^15 = -1.5e-05.
+  with pytest.raises(
+    ValueError,
+    match=r"^jl\.flax\.TrainState\.create got loss_scale=DynamicLossScale\(\.\.\.\) and a tx "
+    r"that already applies loss scaling .* unscaled 2 times.* Pass one of them",
+  ):
+    _sgd_state(tx=wrapped, loss_scale=SCALE)
+  # Inside a chain, and with a scale of 1, it is applied twice all the same.
+  with pytest.raises(ValueError, match="already applies loss scaling"):
+    _sgd_state(
+      tx=optax.chain(optax.clip_by_global_norm(1.0), wrapped), loss_scale=jl.NoOpLossScale()
+    )
+
+
+def test_no_loss_scale_is_noop_loss_scale():
+  none, noop = (
+    _sgd_state(tx=optax.sgd(0.5)),
+    _sgd_state(tx=optax.sgd(0.5), loss_scale=jl.NoOpLossScale()),
+  )
+  assert jax.tree.structure(none.opt_state) == jax.tree.structure(noop.opt_state)
+  for state in (none, noop):
+    assert isinstance(state.loss_scale, jl.NoOpLossScale)
+    assert _sgd_update(state) == -0.5
+    # A non-finite step is skipped and counted, as with NoOpLossScale().
+    bad = state.apply_gradients(grads={"w": jnp.full(1, jnp.inf)})
+    assert float(bad.params["w"][0]) == 1.0
+    assert int(bad.loss_scaling_state.skipped_steps) == 1
+  # A tx that applies loss scaling itself is used as it is.
+  state = _sgd_state(tx=jl.loss_scaling(optax.sgd(0.5), SCALE))
+  assert jax.tree.structure(state.opt_state) == jax.tree.structure(
+    jl.loss_scaling(optax.sgd(0.5), SCALE).init({"w": jnp.ones(1)})
+  )
+  assert float(state.loss_scale.loss_scale) == 2.0**15
+
+
+@pytest.mark.parametrize("via", ["loss_scale", "tx"])
+def test_a_state_created_after_a_donated_step_has_buffers_of_its_own(via):
+  scale = jl.DynamicLossScale(jnp.float32(2.0**10), period=1)
+  if via == "loss_scale":
+    create = lambda: _sgd_state(tx=optax.sgd(0.5), loss_scale=scale)
+  else:
+    create = lambda: _sgd_state(tx=jl.loss_scaling(optax.sgd(0.5), scale))
+  step = jax.jit(_sgd_step, donate_argnums=0)
+  donated = create()
+  first = step(donated)
+  assert donated.loss_scale.loss_scale.is_deleted()
+  fresh = create()  # a second run, or the target a checkpoint restores into
+  assert float(fresh.loss_scale.loss_scale) == 2.0**10
+  second = step(fresh)
+  assert float(second.loss_scale.loss_scale) == 2.0**11  # grew (period=1)
+  assert float(second.params["w"][0]) == 0.5
+  for a, b in zip(jax.tree.leaves(second), jax.tree.leaves(first), strict=True):
+    np.testing.assert_array_equal(a, b)
