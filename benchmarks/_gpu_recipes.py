@@ -37,8 +37,9 @@ class Step(NamedTuple):
   """A recipe's train step on one model.
 
   ``init(params, tokens)`` builds the state (with whatever runs once before training, e.g. fp8
-  calibration); ``step(state, tokens)`` returns the next state and the step's loss; it is traced
-  under ``jax.default_matmul_precision(precision)`` when that is set.
+  calibration), traceable, so that ``jax.jit`` runs it and ``jax.eval_shape`` gives the state's
+  shapes without computing it; ``step(state, tokens)`` returns the next state and the step's
+  loss; it is traced under ``jax.default_matmul_precision(precision)`` when that is set.
   """
 
   init: Callable[[Any, jax.Array], Any]
@@ -250,7 +251,7 @@ def _fp8_build(config: dict, spec: str, config_kwargs: dict) -> Step:
     return jl.fp8.calibrate(fun, fresh, fp8_config)
 
   def init(params, tokens):
-    return params, run_once(calibrated_state, params, tokens), tx.init(params)
+    return params, calibrated_state(params, tokens), tx.init(params)
 
   def step(state, tokens):
     params, fp8_state, opt_state = state

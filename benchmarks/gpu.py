@@ -85,6 +85,7 @@ from benchmarks._gpu_recipes import (
   compile_with,
   fast_compile_options,
   init_params,
+  run_once,
 )
 from benchmarks._gpu_report import fmt, loss_curves, markdown
 
@@ -273,7 +274,7 @@ def prepare(bench: Bench, run: Run, recipe: Recipe, config: dict, params: Any, t
   s = bench.settings
   start = time.perf_counter()
   spec = recipe.build(config)
-  state = spec.init(jax.tree.map(jnp.copy, params), tokens)  # the step donates its state
+  state = run_once(spec.init, jax.tree.map(jnp.copy, params), tokens)  # the step donates it
   compile_start = time.perf_counter()
   precision = jax.default_matmul_precision(spec.precision) if spec.precision else None
   with precision or contextlib.nullcontext():

@@ -45,6 +45,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_packaging.py",
   ),
   "benchmark": (
+    "test_deviceless_benchmark.py",
     "test_examples.py",
     "test_fp8_check.py",
     "test_gpu_benchmark.py",

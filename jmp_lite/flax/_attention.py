@@ -100,13 +100,21 @@ def _softmax(logits, where, axis):
   x = logits.astype(compute)
   if where is not None:
     x = jnp.where(where, x, jnp.finfo(compute).min)
-  shifted = x - jnp.max(x, axis=axis, keepdims=True)
+  peak = jnp.max(x, axis=axis, keepdims=True)
+  shifted = x - peak
   log_total = jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
-  # exp(shifted - log_total), not exp(shifted) / total: the two exps differ, so
-  # XLA recomputes the exponential from the 16-bit logits in each of its two
-  # passes instead of writing exp(shifted) out in fp32 (twice the bytes of the
-  # probabilities) to read it back. A fully masked row is 0 - log(n): 1/n each.
-  return jnp.exp(shifted - log_total).astype(logits.dtype)
+  if compute == logits.dtype:
+    # exp((x - peak) - log_total) exactly as jax.nn.softmax computes it. A fully masked row
+    # is 0 - log(n): 1/n each.
+    return jnp.exp(shifted - log_total)
+  # 16-bit logits: exp(x - (peak + log_total)), so that the fp32 x - peak has one use (the sum)
+  # and XLA need not write it out, in fp32, for the second pass (XLA:GPU's softmax fusions
+  # do). Rounding peak + log_total costs at most an fp32 ulp of the peak, far below the
+  # 16-bit rounding of the logits and of the result. A fully masked row takes 1/n each.
+  probs = jnp.exp(x - (peak + log_total))
+  if where is not None:
+    probs = jnp.where(jnp.any(where, axis=axis, keepdims=True), probs, 1 / x.shape[axis])
+  return probs.astype(logits.dtype)
 
 
 def _softmax_fwd(logits, where, axis):

@@ -77,6 +77,26 @@ def test_softmax_is_fp32_inside_and_keeps_16bit_residuals():
   assert F32 in _residual_dtypes(lambda x: jax.nn.softmax(x.astype(F32)).astype(BF16), logits)
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(jnp.float16)])
+@pytest.mark.parametrize("magnitude", [1.0, 30.0, 1000.0])
+def test_softmax_of_16bit_logits_is_the_rounded_fp32_softmax(dtype, magnitude):
+  # The 16-bit form subtracts peak + log(total) in one step (so the fp32 x - peak is used once):
+  # within one rounding of the fp32 softmax of the same 16-bit logits, fully masked rows 1/n.
+  rng = np.random.default_rng(int(magnitude))
+  logits = jnp.asarray((magnitude * rng.standard_normal((6, 64, 48))).astype(dtype))
+  mask = rng.random((6, 64, 48)) > 0.4
+  mask[0, 3] = False  # a fully masked row
+  probs = jax.jit(lambda x: jlf.softmax(x, -1, mask))(logits)
+  ref = np.array(jax.nn.softmax(jnp.where(mask, logits.astype(F32), -jnp.inf)))
+  ref[0, 3] = 1 / 48
+  rounded = ref.astype(dtype).astype(np.float32)
+  ulp = np.spacing(np.abs(rounded).astype(dtype)).astype(np.float32)
+  assert probs.dtype == dtype
+  assert (np.abs(f32(probs) - rounded) <= ulp).all()
+  assert np.mean(f32(probs) == rounded) > 0.99
+  np.testing.assert_array_equal(f32(probs)[0, 3], rounded[0, 3])
+
+
 def test_softmax_fp32_input_is_jax_softmax():
   x = _random((4, 5), 0)
   ours, ref = jax.jit(lambda x: (jlf.softmax(x), jax.nn.softmax(x)))(x)
