@@ -277,10 +277,8 @@ def test_policy_fields_compare_like_jmps(real_jmp):
     assert kinds(a) == kinds(b)
 
 
-def test_dynamic_loss_scale_follows_jmps_trajectory(real_jmp):
-  flags = [True, True, True, False, True, False, False, False, True, True, True, True, True]
-  args = (jnp.float32(8.0), np.zeros([], np.int32), 3, 2, np.float32(2.0))
-  ours, theirs = jmp.DynamicLossScale(*args), real_jmp.DynamicLossScale(*args)
+def _follow_jmp(ours, theirs, flags):
+  """Adjusts both scales by ``flags``, asserting after each step that they agree exactly."""
   for finite in flags:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")  # jmp's adjust rebuilds its object and warns again
@@ -290,6 +288,15 @@ def test_dynamic_loss_scale_follows_jmps_trajectory(real_jmp):
       ours = ours.adjust(jnp.array(finite))
     assert float(ours.loss_scale) == float(theirs.loss_scale)
     assert int(ours.counter) == int(theirs.counter)
+    assert ours.loss_scale.dtype == theirs.loss_scale.dtype
+  return ours
+
+
+def test_dynamic_loss_scale_follows_jmps_trajectory(real_jmp):
+  flags = [True, True, True, False, True, False, False, False, True, True, True, True, True]
+  args = (jnp.float32(8.0), np.zeros([], np.int32), 3, 2, np.float32(2.0))
+  ours, theirs = jmp.DynamicLossScale(*args), real_jmp.DynamicLossScale(*args)
+  ours = _follow_jmp(ours, theirs, flags)
   # It went through growth (8 -> 16), back-off to the floor (2) and growth again (4).
   assert (float(ours.loss_scale), int(ours.counter)) == (4.0, 2)
 
@@ -365,14 +372,4 @@ def test_dynamic_loss_scale_constructor_arguments_behave_like_jmps(real_jmp, arg
   if not jnp.issubdtype(jnp.asarray(theirs.loss_scale).dtype, jnp.floating):
     return  # jmp's adjust fails on an integer scale (lax.select of int32 and float32)
   # Growth, back-off down to the floor (or, with a zero floor, far below 1) and growth again.
-  flags = [True] * 7 + [False] * 40 + [True] * 9
-  for finite in flags:
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")  # jmp's adjust rebuilds its object and warns again
-      theirs = theirs.adjust(jnp.array(finite))
-    with warnings.catch_warnings():
-      warnings.simplefilter("error")  # jmp_lite warns once, at construction
-      ours = ours.adjust(jnp.array(finite))
-    assert float(ours.loss_scale) == float(theirs.loss_scale)
-    assert int(ours.counter) == int(theirs.counter)
-    assert ours.loss_scale.dtype == theirs.loss_scale.dtype
+  _follow_jmp(ours, theirs, [True] * 7 + [False] * 40 + [True] * 9)
