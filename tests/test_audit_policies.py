@@ -134,10 +134,13 @@ def test_the_policy_is_found_under_scan_and_remat():
   ], str(report)
 
 
+def _train_state(tx):
+  """A TrainState of MODEL under the bf16 policy (its apply_fn runs the policy)."""
+  return jlf.TrainState.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx, policy=BF16_POLICY)
+
+
 def test_a_train_state_step_is_judged_by_the_states_policy():
-  state = jlf.TrainState.create(
-    apply_fn=MODEL.apply, params=PARAMS, tx=optax.sgd(0.1), policy=BF16_POLICY
-  )
+  state = _train_state(optax.sgd(0.1))
 
   @jax.jit
   def step(state, x):
@@ -153,9 +156,7 @@ def test_a_train_state_step_is_judged_by_the_states_policy():
 
 
 def test_a_step_that_bypasses_the_states_policy_is_reported_as_such():
-  state = jlf.TrainState.create(
-    apply_fn=MODEL.apply, params=PARAMS, tx=optax.sgd(0.1), policy=BF16_POLICY
-  )
+  state = _train_state(optax.sgd(0.1))
 
   @jax.jit
   def step(state, x):
@@ -213,7 +214,7 @@ def fp32_orthogonalized_sgd():
 
 
 def policy_state_step(apply_fn, tx):
-  state = jlf.TrainState.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx, policy=BF16_POLICY)
+  state = _train_state(tx)
 
   @jax.jit
   def step(state, x):
@@ -325,9 +326,7 @@ def test_policies_in_finds_policies_in_arguments_fields_and_functions():
   from jmp_lite._audit._policies import policies_in
 
   f16 = jl.get_policy("p=f32,c=f16,o=f32")
-  state = jlf.TrainState.create(
-    apply_fn=MODEL.apply, params=PARAMS, tx=optax.sgd(0.1), policy=BF16_POLICY
-  )
+  state = _train_state(optax.sgd(0.1))
   assert policies_in(((state, X), {})) == (BF16_POLICY,)  # a static field of the state
   # A Flax TrainState without a policy field, holding a policy_apply function.
   plain = jlf.TrainState.create(
