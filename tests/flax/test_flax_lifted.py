@@ -39,16 +39,21 @@ class _LinenBlock(nn.Module):
     return x + nn.Dense(WIDTH)(nn.gelu(h)), None
 
 
+def _scanned_blocks():
+  """LAYERS rematerialized linen blocks under nn.scan, parameters stacked on axis 0."""
+  return nn.scan(
+    nn.remat(_LinenBlock),
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    length=LAYERS,
+  )
+
+
 class LinenLifted(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(WIDTH)(x)
-    blocks = nn.scan(
-      nn.remat(_LinenBlock),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      length=LAYERS,
-    )
+    blocks = _scanned_blocks()
     x, _ = blocks(name="blocks")(x)
     heads = nn.vmap(
       nn.Dense,
@@ -225,12 +230,7 @@ class LinenTiedLM(nn.Module):
     embed = nn.Embed(VOCAB, WIDTH, name="embed")
     x = embed(tokens)
     if self.scanned:
-      blocks = nn.scan(
-        nn.remat(_LinenBlock),
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        length=LAYERS,
-      )
+      blocks = _scanned_blocks()
       x, _ = blocks(name="blocks")(x)
     else:
       x, _ = _LinenBlock(name="block")(x)
