@@ -4,8 +4,10 @@ A :class:`Recipe` builds a :class:`Step` (the state's ``init`` and the jitted ``
 model configuration of ``benchmarks/memory.py``'s ``TransformerLM``; :data:`RECIPES` is issue
 14's table, in its order: fp32 (``highest`` and default precision), Flax layers with
 ``dtype=bfloat16``, ``jmp_lite.flax.policy_apply`` in bf16 and fp16 (with and without loss
-scaling), Flax's ``DynamicScale``, diagnostics (no accumulation preset, a ``lax.cond`` skip) and
-fp8 (``linen_fp8`` over the bf16 policy). Every recipe trains with AdamW on the next-token loss.
+scaling), Flax's ``DynamicScale``, diagnostics (no accumulation preset, a ``lax.cond`` skip),
+fp8 (``linen_fp8`` over the bf16 policy), and the same LM in NNX (``benchmarks/_nnx_lm.py``) with
+``dtype=bfloat16`` and under ``jmp_lite.flax.policy_view``. Every recipe trains with AdamW on the
+next-token loss.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import flax.training.dynamic_scale
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax import lax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
 from benchmarks._common import no_declared_accumulation
+from benchmarks._nnx_lm import split_lm
 from benchmarks.memory import TransformerLM, lm_loss
 from jmp_lite.flax import fp8 as flax_fp8
 
@@ -106,6 +110,33 @@ def adamw_step(make_apply: Callable, precision: str | None = None) -> Callable[[
       return (optax.apply_updates(params, updates), opt_state), loss
 
     return Step(lambda params, tokens: (params, tx.init(params)), step, precision)
+
+  return build
+
+
+def with_nnx(dtype: Any = None, spec: str | None = None) -> Callable[[dict[str, int]], Callable]:
+  """The NNX LM's forward, built with ``dtype=`` or run by :func:`jmp_lite.flax.policy_view`
+  under ``spec``; ``params`` is its ``nnx.State``."""
+
+  def make(config):
+    graphdef, _ = split_lm(config, dtype)
+
+    def apply(params, tokens):
+      model = nnx.merge(graphdef, params)
+      return (jlf.policy_view(model, spec) if spec else model)(tokens)
+
+    return apply
+
+  return make
+
+
+def nnx_params(build_step: Callable[[dict], Step], dtype: Any = None) -> Callable[[dict], Step]:
+  """``build_step`` with the NNX LM's own parameters in place of the linen ones it is given."""
+
+  def build(config):
+    step = build_step(config)
+    _, make_params = split_lm(config, dtype)
+    return step._replace(init=lambda params, tokens: step.init(make_params(), tokens))
 
   return build
 
@@ -295,6 +326,14 @@ RECIPES: dict[str, Recipe] = {
   "fp8_legacy": Recipe(
     "fp8 as measured in issue 14 (legacy formulation)", fp8_step(BF16_POLICY, legacy=True)
   ),
+  "nnx_flax_bf16": Recipe(
+    "NNX, every layer `dtype=bfloat16`",
+    nnx_params(adamw_step(with_nnx(jnp.bfloat16)), jnp.bfloat16),
+  ),
+  "nnx_policy_bf16": Recipe(
+    "NNX, `jmp_lite.flax.policy_view`, bf16",
+    nnx_params(adamw_step(with_nnx(spec=BF16_POLICY))),
+  ),
 }
 # Compiled in this order, so that a cut budget keeps the comparisons the issue's targets need.
 PRIORITY = (
@@ -310,6 +349,8 @@ PRIORITY = (
   "fp32_highest",
   "fp32_default",
   "flax_fp16_dynamic_scale",
+  "nnx_flax_bf16",
+  "nnx_policy_bf16",
 )
 SIZE_RECIPES = ("policy_bf16", "fp8", "fp8_fast")
 SAVED_HLO = ("flax_bf16", "policy_bf16", "fp8")  # with --save-hlo: their optimized HLO, gzipped

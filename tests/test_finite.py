@@ -23,7 +23,7 @@ from hypothesis.extra import numpy as hnp
 import jmp_lite as jl
 from jmp_lite import _finite
 
-RULES = ["cpu", "cuda"]  # every platform but "cpu" takes the second (fused) rule
+RULES = ["cpu", "cuda", "tpu"]  # "rocm" takes the "cuda" rule, any other platform the "tpu" one
 FLOATS = [np.float32, np.float16, ml_dtypes.bfloat16]
 
 
@@ -121,6 +121,30 @@ def test_only_the_cpu_rule_has_a_conditional():
 
 def _lowered_text(fun, args, platform):
   return jax.jit(fun).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize(("platform", "reductions"), [("cuda", 2), ("rocm", 2), ("tpu", 7)])
+def test_accelerator_rules_reduce_per_shape_on_gpu_per_leaf_on_tpu(platform, reductions):
+  """On a GPU same-shaped leaves share one variadic reduction (scalars need none); on a TPU
+  every leaf has its own. A NaN or inf in any leaf is found either way."""
+  shapes = [(4, 3), (4, 3), (3,), (3,), (3,), (), ()]
+  dtypes = [
+    jnp.float32,
+    jnp.float16,
+    jnp.float32,
+    jnp.float32,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float16,
+  ]
+  leaves = [jnp.ones(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+  check = lambda v: _finite.all_finite_rule(platform, lambda: v)
+  assert _lowered_text(check, (leaves,), platform).count("stablehlo.reduce") == reductions
+  assert bool(jax.jit(check)(leaves))
+  for i, bad in enumerate([jnp.nan, jnp.inf, -jnp.inf, jnp.nan, jnp.inf, jnp.nan, -jnp.inf]):
+    poisoned = list(leaves)
+    poisoned[i] = leaves[i].at[(0,) * leaves[i].ndim].set(bad)
+    assert not bool(jax.jit(check)(poisoned)), i
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu"])

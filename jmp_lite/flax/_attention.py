@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from jmp_lite.flax import _accumulate as accumulate
 
@@ -101,20 +102,26 @@ def _softmax(logits, where, axis):
   if where is not None:
     x = jnp.where(where, x, jnp.finfo(compute).min)
   peak = jnp.max(x, axis=axis, keepdims=True)
-  shifted = x - peak
-  log_total = jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
   if compute == logits.dtype:
     # exp((x - peak) - log_total) exactly as jax.nn.softmax computes it. A fully masked row
     # is 0 - log(n): 1/n each.
-    return jnp.exp(shifted - log_total)
-  # 16-bit logits: exp(x - (peak + log_total)), so that the fp32 x - peak has one use (the sum)
-  # and XLA need not write it out, in fp32, for the second pass (XLA:GPU's softmax fusions
-  # do). Rounding peak + log_total costs at most an fp32 ulp of the peak, far below the
-  # 16-bit rounding of the logits and of the result. A fully masked row takes 1/n each.
-  probs = jnp.exp(x - (peak + log_total))
+    shifted = x - peak
+    return jnp.exp(shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True)))
+  # 16-bit logits: exp(x - peak) / total, the form XLA:GPU's softmax rewriter
+  # fuses into one kernel (one read of the logits, one 16-bit write); dividing
+  # instead of subtracting log(total) is within an fp32 ulp, far below the
+  # 16-bit rounding of the logits and of the result. A fully masked row is
+  # exp(0) / n: 1/n each. Saying so with a select changes no value, but
+  # XLA:TPU then fuses the softmax into fewer passes (docs/benchmarks.md).
+  unnormalized = jnp.exp(x - peak)
+  probs = unnormalized / jnp.sum(unnormalized, axis=axis, keepdims=True)
   if where is not None:
     probs = jnp.where(jnp.any(where, axis=axis, keepdims=True), probs, 1 / x.shape[axis])
-  return probs.astype(logits.dtype)
+  # The barrier makes the rounded probabilities the one array XLA keeps:
+  # without it XLA recomputes them where they are used (the ``p @ v`` matmul,
+  # the backward pass) and so keeps the logits alive until the backward pass,
+  # and XLA:GPU writes the fp32 probabilities before rounding them.
+  return lax.optimization_barrier(probs.astype(logits.dtype))
 
 
 def _softmax_fwd(logits, where, axis):

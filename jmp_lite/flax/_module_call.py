@@ -143,9 +143,9 @@ def cast_call(
     kwargs: its keyword arguments.
     compute_dtype: the dtype floating inputs are cast to.
     output_dtype: the dtype floating outputs are cast to.
-    recompute: run ``fn`` under :func:`jax.checkpoint`, the input cast inside
-      it, so that the backward pass keeps the (narrow) inputs and recomputes
-      the rest.
+    recompute: run ``fn`` under :func:`jax.checkpoint`, the input and output
+      casts inside it, so that the backward pass keeps the (narrow) inputs and
+      recomputes the rest.
     record: while the model's output layers are being found, the list to
       which a :class:`CallRecord` of this call is appended (in exit order).
     call: the key of this call, for the record (``None``: not recorded).
@@ -158,7 +158,13 @@ def cast_call(
     args, kwargs = cast_floating((args, kwargs), compute_dtype)
     return fn(*args, **kwargs)
 
-  out = _checkpointed(narrow, args, kwargs) if recompute else narrow(*args, **kwargs)
+  if recompute:
+    # Both casts inside the checkpoint: what crosses it, in either direction,
+    # is narrow (the inputs and the outputs' cotangents), so the backward pass
+    # keeps no wide copy of either.
+    out = _checkpointed(lambda *a, **k: cast_floating(narrow(*a, **k), output_dtype), args, kwargs)
+  else:
+    out = narrow(*args, **kwargs)
   returned = cast_floating(out, output_dtype)
   if record is not None and call is not None:
     record.append(CallRecord(call, _arrays(out), _arrays(returned)))

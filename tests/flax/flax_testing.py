@@ -277,6 +277,19 @@ def check_hlo_products(
   return count
 
 
+def island_activation_dtypes(jaxpr) -> set[np.dtype]:
+  """The dtypes of the activations (arrays of rank 2 or more) that enter or leave a checkpoint
+  (a recomputed island), forward and backward."""
+  dtypes = set()
+  for eqn in eqns(jaxpr):
+    if eqn.primitive.name in ("remat2", "checkpoint"):
+      for var in (*eqn.invars, *eqn.outvars):
+        aval = var.aval
+        if jnp.issubdtype(aval.dtype, jnp.floating) and len(aval.shape) >= 2:
+          dtypes.add(np.dtype(aval.dtype))
+  return dtypes
+
+
 def primitive_dtypes(jaxpr, name: str) -> set[np.dtype]:
   """Output dtypes of every equation of primitive ``name``."""
   return {out_dtype(e) for e in eqns(jaxpr) if e.primitive.name == name}

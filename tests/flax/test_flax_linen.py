@@ -20,6 +20,7 @@ from flax_testing import (
   explicit_dtype_warnings,
   images,
   in_dtypes,
+  island_activation_dtypes,
   jit,
   lm_loss,
   out_dtype,
@@ -185,6 +186,16 @@ def test_gradients_in_param_dtype_and_close_to_fp32(lm):
   assert rel_error(grads, ref_grads) < 0.05  # bf16: 8 significant bits
   for out, tol in zip(logits, (0.03, 0.005), strict=True):
     assert out.dtype == F32 and rel_error(out, ref_logits) < tol
+
+
+def test_recomputed_islands_exchange_only_16_bit_activations(lm):
+  # A recomputed fp32 LayerNorm casts its input and its output inside the checkpoint, so that
+  # neither the input nor the output's cotangent crosses it in fp32: XLA keeps what crosses a
+  # checkpoint for the backward pass.
+  model, toks, variables = lm
+  apply = jlf.policy_apply(model, POLICY)
+  grad = jax.grad(lambda p: lm_loss(apply({"params": p}, toks), toks))
+  assert island_activation_dtypes(jax.make_jaxpr(grad)(variables["params"])) == {BF16}
 
 
 def test_overrides_are_honoured(lm):

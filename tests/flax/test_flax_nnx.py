@@ -18,6 +18,7 @@ from flax_testing import (
   explicit_dtype_warnings,
   images,
   in_dtypes,
+  island_activation_dtypes,
   jit,
   lm_loss,
   nnx_model,
@@ -58,6 +59,12 @@ def test_transformer_matmuls_are_16_bit_and_islands_are_fp32():
   assert check_hlo_products(traced.lower().as_text(), wide=2) >= 27
   for name in ("exp", "log", "rsqrt", "reduce_max"):
     assert primitive_dtypes(jaxpr, name) == {F32}, name
+
+
+def test_recomputed_islands_exchange_only_16_bit_activations():
+  # As in linen: the casts of a recomputed LayerNorm are inside its checkpoint.
+  loss, params = _param_fn(nnx_model(NnxLM), _lm_loss())
+  assert island_activation_dtypes(jax.make_jaxpr(jax.grad(loss))(params)) == {BF16}
 
 
 class Log:
