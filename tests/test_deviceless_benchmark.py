@@ -168,6 +168,23 @@ def test_the_policy_softmax_writes_no_fp32_scores_on_the_h200():
   assert fp32_scores not in large_buffers(lambda z, m: jlf.softmax(z, -1, m))
 
 
+def _attention_cost(attention, target):
+  """Temp bytes, roofline bytes and custom calls of one causal attention layer's gradient."""
+  import flax.linen as nn
+
+  sharding = jax.sharding.SingleDeviceSharding(deviceless.target_device(target))
+  q = jax.ShapeDtypeStruct((4, 512, 8, 64), jnp.bfloat16, sharding=sharding)
+
+  def loss(q, k, v):
+    mask = nn.make_causal_mask(jnp.zeros(q.shape[:2]))
+    return jnp.sum(attention(q, k, v, mask=mask).astype(jnp.float32) ** 2)
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
+  summary = _hlo.kernel_summary(compiled.as_text())
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  return temp, summary["bytes_moved"], summary["gemm_custom_calls"]
+
+
 @needs_cuda
 def test_the_policy_attention_keeps_less_than_flax_bf16_and_moves_about_as_much_on_the_h200():
   # jmp_lite.flax's attention (fp32 softmax, 16-bit probabilities) against Flax's in bf16, one
@@ -178,21 +195,20 @@ def test_the_policy_attention_keeps_less_than_flax_bf16_and_moves_about_as_much_
 
   import jmp_lite.flax as jlf
 
-  sharding = jax.sharding.SingleDeviceSharding(deviceless.target_device("h200"))
-  q = jax.ShapeDtypeStruct((4, 512, 8, 64), jnp.bfloat16, sharding=sharding)
-
-  def cost(attention):
-    def loss(q, k, v):
-      mask = nn.make_causal_mask(jnp.zeros(q.shape[:2]))
-      return jnp.sum(attention(q, k, v, mask=mask).astype(jnp.float32) ** 2)
-
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
-    moved = _hlo.kernel_summary(compiled.as_text())["bytes_moved"]
-    return compiled.memory_analysis().temp_size_in_bytes, moved
-
-  (flax_temp, flax_bytes), (temp, moved) = (
-    cost(nn.dot_product_attention),
-    cost(jlf.dot_product_attention),
-  )
+  flax_temp, flax_bytes, _ = _attention_cost(nn.dot_product_attention, "h200")
+  temp, moved, _ = _attention_cost(jlf.dot_product_attention, "h200")
   assert temp < flax_temp
   assert moved <= 1.07 * flax_bytes
+
+
+@needs_cuda
+def test_the_fused_attention_is_cudnns_kernel_on_the_h200_and_jmp_lites_on_a_tpu():
+  import jmp_lite.flax as jlf
+
+  temp, moved, calls = _attention_cost(jlf.fused_dot_product_attention, "h200")
+  own_temp, own_moved, _ = _attention_cost(jlf.dot_product_attention, "h200")
+  assert sorted(calls) == ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"]
+  assert temp < own_temp / 3 and moved < own_moved / 3  # no [4, 8, 512, 512] array written
+  if HAS_TPU:
+    tpu = _attention_cost(jlf.fused_dot_product_attention, "v5e")
+    assert tpu[:2] == _attention_cost(jlf.dot_product_attention, "v5e")[:2]

@@ -10,7 +10,8 @@
   matmuls and convolutions (accumulated in fp32 by the hardware), with an
   optional fp32 result or fp32 weight gradient.
 * :func:`dot_product_attention`, :func:`softmax`: attention with an fp32
-  softmax that keeps 16-bit residuals.
+  softmax that keeps 16-bit residuals; :func:`fused_dot_product_attention`:
+  the same by cuDNN's fused kernel on a GPU (no ``T x T`` array written).
 * :class:`TrainState`, :class:`Optimizer`: Flax's training state and NNX
   optimizer with loss scaling built in.
 * :class:`DynamicScale`, :class:`DynamicScaleResult`: a drop-in for Flax's
@@ -28,6 +29,10 @@ from typing import Any
 from jmp_lite.flax._accumulate import conv_general_dilated, dot_general, einsum
 from jmp_lite.flax._attention import dot_product_attention, softmax
 from jmp_lite.flax._dynamic_scale import DynamicScale, DynamicScaleResult
+from jmp_lite.flax._fused_attention import (
+  FusedAttentionUnavailableWarning,
+  fused_dot_product_attention,
+)
 from jmp_lite.flax._kernel_hooks import FLAX_HOOKS
 from jmp_lite.flax._layerwise import LayerwiseStages, layerwise_stages
 from jmp_lite.flax._linen import policy_apply, policy_init
@@ -63,6 +68,8 @@ __all__ = (
   "einsum",
   "dot_product_attention",
   "softmax",
+  "fused_dot_product_attention",
+  "FusedAttentionUnavailableWarning",
   # Training with loss scaling
   "TrainState",
   "Optimizer",
