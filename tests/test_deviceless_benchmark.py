@@ -186,11 +186,11 @@ def _attention_cost(attention, target):
 
 
 @needs_cuda
-def test_the_policy_attention_keeps_less_than_flax_bf16_and_moves_about_as_much_on_the_h200():
+def test_the_policy_attention_keeps_and_moves_less_than_flax_bf16_on_the_h200():
   # jmp_lite.flax's attention (fp32 softmax, 16-bit probabilities) against Flax's in bf16, one
   # causal layer's gradient: less temp memory (only the 16-bit probabilities are kept for the
-  # backward pass, not the scores) and at most one more pass over the probabilities (the
-  # backward's inner product: 7% of this layer's bytes).
+  # backward pass, not the scores) and fewer bytes (the softmax backward's row sums come from
+  # the [q, heads, depth] output, not from a pass over the [heads, q, k] probabilities).
   import flax.linen as nn
 
   import jmp_lite.flax as jlf
@@ -198,7 +198,7 @@ def test_the_policy_attention_keeps_less_than_flax_bf16_and_moves_about_as_much_
   flax_temp, flax_bytes, _ = _attention_cost(nn.dot_product_attention, "h200")
   temp, moved, _ = _attention_cost(jlf.dot_product_attention, "h200")
   assert temp < flax_temp
-  assert moved <= 1.07 * flax_bytes
+  assert moved < flax_bytes
 
 
 @needs_cuda

@@ -79,20 +79,23 @@ def softmax(logits: jax.Array, axis: int = -1, where: jax.Array | None = None) -
   Raises:
     ValueError: if ``where`` does not broadcast to ``logits``' shape.
   """
-  if where is not None:
-    where = jnp.asarray(where, jnp.bool_)
-    shape = np.shape(logits)
-    try:
-      broadcast = jnp.broadcast_shapes(where.shape, shape)
-    except ValueError:
-      broadcast = None
-    if broadcast != shape:
-      raise ValueError(
-        f"where must broadcast to the logits' shape {shape}, got shape {where.shape}."
-      )
-    # Same rank as the logits, so that ``axis`` names the same dimension of both.
-    where = where.reshape((1,) * (len(shape) - where.ndim) + where.shape)
-  return _softmax(logits, where, axis)
+  return _softmax(logits, _checked_where(logits, where), axis)
+
+
+def _checked_where(logits: jax.Array, where: jax.Array | None) -> jax.Array | None:
+  """``where`` as a boolean array of the logits' rank, checked to broadcast to them."""
+  if where is None:
+    return None
+  where = jnp.asarray(where, jnp.bool_)
+  shape = np.shape(logits)
+  try:
+    broadcast = jnp.broadcast_shapes(where.shape, shape)
+  except ValueError:
+    broadcast = None
+  if broadcast != shape:
+    raise ValueError(f"where must broadcast to the logits' shape {shape}, got shape {where.shape}.")
+  # Same rank as the logits, so that ``axis`` names the same dimension of both.
+  return where.reshape((1,) * (len(shape) - where.ndim) + where.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -158,6 +161,39 @@ def _last(x: jax.Array, axis: int) -> jax.Array:
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+_PV = "...hqk,...khd->...qhd"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attend(logits, where, value, einsum):
+  return einsum(_PV, _softmax(logits, where, -1), value)
+
+
+def _attend_fwd(logits, where, value, einsum):
+  probs = _softmax(logits, where, -1)
+  out = einsum(_PV, probs, value)
+  live = None if where is None else jnp.any(where, axis=-1, keepdims=True)
+  return out, (probs, value, out, live)
+
+
+def _attend_bwd(einsum, residuals, d_out):
+  probs, value, out, live = residuals
+  d_probs = einsum("...qhd,...khd->...hqk", d_out, value)
+  d_value = einsum("...hqk,...qhd->...khd", probs, d_out)
+  # The softmax backward's row sums <dp, p> are <d_out, out> (FlashAttention's D), since
+  # dp = d_out v^T and out = p v: a product over the head depth of two [q, heads, depth]
+  # arrays instead of a pass over the two [heads, q, k] ones.
+  compute = jnp.promote_types(probs.dtype, jnp.float32)
+  inner = jnp.einsum("...qhd,...qhd->...hq", d_out, out, preferred_element_type=compute)
+  grad = probs.astype(compute) * (d_probs.astype(compute) - inner[..., None])
+  if live is not None:
+    grad = jnp.where(live, grad, 0)
+  return grad.astype(probs.dtype), None, d_value
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _sow_weights(module: Any, weights: jax.Array) -> None:
@@ -257,10 +293,16 @@ def dot_product_attention(
     logits = logits.reshape((*logits.shape[:-4], heads, *logits.shape[-2:]))
   if bias is not None:
     logits = logits + jnp.asarray(bias, dtype)
-  weights = softmax(logits, -1, _mask(mask, is_causal, logits.shape[-2:]))
+  where = _checked_where(logits, _mask(mask, is_causal, logits.shape[-2:]))
+  dropout = not deterministic and dropout_rate > 0.0
+  # The default 16-bit einsums are linear, which the fused backward's row sums rely on.
+  default_einsums = einsum_dot_general is None and attn_weights_value_einsum is None
+  if heads == kv_heads and module is None and not dropout and default_einsums:
+    return _attend(logits, where, value, pv_einsum)
+  weights = _softmax(logits, where, -1)
   if module is not None:
     _sow_weights(module, weights)
-  if not deterministic and dropout_rate > 0.0:
+  if dropout:
     weights = _dropout(weights, dropout_rng, dropout_rate, broadcast_dropout, dtype)
   if heads == kv_heads:
     return pv_einsum("...hqk,...khd->...qhd", weights, value)
