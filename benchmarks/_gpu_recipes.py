@@ -16,6 +16,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import flax.training.dynamic_scale
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ INITIAL_LOSS_SCALE = 2.0**15
 FP8_HISTORY = 16  # the examples' amax history length
 BF16_POLICY = "params=float32,compute=bfloat16,output=float32"
 FP16_POLICY = "params=float32,compute=float16,output=float32"
+FUSED = jlf.ModulePolicy(attributes={"attention_fn": jlf.fused_dot_product_attention})
 
 
 class Step(NamedTuple):
@@ -88,11 +90,12 @@ def with_flax_dtype(dtype: Any = None) -> Callable[[dict[str, int]], Callable]:
   return make
 
 
-def with_policy(spec: str) -> Callable[[dict[str, int]], Callable]:
-  """The model as written, run by :func:`jmp_lite.flax.policy_apply` under ``spec``."""
+def with_policy(spec: str, **options: Any) -> Callable[[dict[str, int]], Callable]:
+  """The model as written, run by :func:`jmp_lite.flax.policy_apply` under ``spec`` (and the
+  :class:`~jmp_lite.flax.ModulePolicies` ``options``)."""
 
   def make(config):
-    apply = jlf.policy_apply(TransformerLM(**config), spec)
+    apply = jlf.policy_apply(TransformerLM(**config), spec, **options)
     return lambda params, tokens: apply({"params": params}, tokens)
 
   return make
@@ -326,6 +329,22 @@ RECIPES: dict[str, Recipe] = {
   "fp8_legacy": Recipe(
     "fp8 as measured in issue 14 (legacy formulation)", fp8_step(BF16_POLICY, legacy=True)
   ),
+  "policy_bf16_layernorm_stored": Recipe(
+    "policy bf16, LayerNorm islands stored (`jlf.FP32`)",
+    adamw_step(with_policy(BF16_POLICY, overrides={nn.LayerNorm: jlf.FP32})),
+  ),
+  "policy_bf16_layernorm_bf16": Recipe(
+    "policy bf16, no LayerNorm island (Flax's LayerNorm in bf16)",
+    adamw_step(with_policy(BF16_POLICY, overrides={nn.LayerNorm: None})),
+  ),
+  "policy_bf16_bf16_softmax": Recipe(
+    "policy bf16, Flax's bf16 softmax (`fp32_softmax=False`)",
+    adamw_step(with_policy(BF16_POLICY, fp32_softmax=False)),
+  ),
+  "policy_bf16_fused_attention": Recipe(
+    "policy bf16, `jlf.fused_dot_product_attention` (cuDNN)",
+    adamw_step(with_policy(BF16_POLICY, overrides={nn.MultiHeadDotProductAttention: FUSED})),
+  ),
   "nnx_flax_bf16": Recipe(
     "NNX, every layer `dtype=bfloat16`",
     nnx_params(adamw_step(with_nnx(jnp.bfloat16)), jnp.bfloat16),
@@ -351,6 +370,10 @@ PRIORITY = (
   "flax_fp16_dynamic_scale",
   "nnx_flax_bf16",
   "nnx_policy_bf16",
+  "policy_bf16_layernorm_stored",
+  "policy_bf16_layernorm_bf16",
+  "policy_bf16_bf16_softmax",
+  "policy_bf16_fused_attention",
 )
 SIZE_RECIPES = ("policy_bf16", "fp8", "fp8_fast")
 SAVED_HLO = ("flax_bf16", "policy_bf16", "fp8")  # with --save-hlo: their optimized HLO, gzipped
