@@ -284,13 +284,7 @@ def dot_product_attention(
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
   dtype = query.dtype
   heads, kv_heads = _heads(query, key, value)
-  scale = jnp.sqrt(query.shape[-1]).astype(dtype)
-  if heads == kv_heads:
-    logits = qk_einsum("...qhd,...khd->...hqk", query / scale, key)
-  else:  # grouped-query attention: view the query heads as [kv_heads, groups]
-    q = query.reshape((*query.shape[:-2], kv_heads, heads // kv_heads, query.shape[-1]))
-    logits = qk_einsum("...qhgd,...khd->...hgqk", q / scale, key)
-    logits = logits.reshape((*logits.shape[:-4], heads, *logits.shape[-2:]))
+  logits = _logits(qk_einsum, query, key, heads, kv_heads)
   if bias is not None:
     logits = logits + jnp.asarray(bias, dtype)
   where = _checked_where(logits, _mask(mask, is_causal, logits.shape[-2:]))
@@ -304,11 +298,36 @@ def dot_product_attention(
     _sow_weights(module, weights)
   if dropout:
     weights = _dropout(weights, dropout_rng, dropout_rate, broadcast_dropout, dtype)
+  return _weighted_values(pv_einsum, weights, value, heads, kv_heads)
+
+
+def _weighted_values(
+  pv_einsum: Callable[..., jax.Array],
+  weights: jax.Array,
+  value: jax.Array,
+  heads: int,
+  kv_heads: int,
+) -> jax.Array:
+  """``weights @ value``, ``[batch..., q_len, heads, depth]``."""
   if heads == kv_heads:
-    return pv_einsum("...hqk,...khd->...qhd", weights, value)
+    return pv_einsum(_PV, weights, value)
+  # grouped-query attention: view the query heads as [kv_heads, groups]
   weights = weights.reshape((*weights.shape[:-3], kv_heads, heads // kv_heads, *weights.shape[-2:]))
   out = pv_einsum("...hgqk,...khd->...qhgd", weights, value)
   return out.reshape((*out.shape[:-3], heads, out.shape[-1]))
+
+
+def _logits(
+  qk_einsum: Callable[..., jax.Array], query: jax.Array, key: jax.Array, heads: int, kv_heads: int
+) -> jax.Array:
+  """``q k^T / sqrt(depth)``, ``[batch..., heads, q_len, kv_len]``."""
+  query = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
+  if heads == kv_heads:
+    return qk_einsum("...qhd,...khd->...hqk", query, key)
+  # grouped-query attention: view the query heads as [kv_heads, groups]
+  q = query.reshape((*query.shape[:-2], kv_heads, heads // kv_heads, query.shape[-1]))
+  logits = qk_einsum("...qhgd,...khd->...hgqk", q, key)
+  return logits.reshape((*logits.shape[:-4], heads, *logits.shape[-2:]))
 
 
 def _einsums(
