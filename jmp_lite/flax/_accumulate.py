@@ -68,17 +68,9 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jmp_lite import _validation
+from jmp_lite._matmul_precision import declared_precision, is_16bit_float
 
 _F32 = np.dtype(np.float32)
-# The presets declared, by platform (see the module docstring): none on XLA:GPU, which
-# honours them but then emits every declared dot as a Triton gemm, never cuBLAS.
-_DECLARED = {"tpu": {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32}}
-
-
-def is_16bit_float(dtype: Any) -> bool:
-  """Whether ``dtype`` is float16 or bfloat16."""
-  dtype = np.dtype(dtype)
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
 
 
 def _platform() -> str:
@@ -99,27 +91,9 @@ def _narrow(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype | None:
 def _declared_precision(
   dtype: Any, lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any
 ) -> lax.DotAlgorithmPreset | None:
-  """The algorithm preset stating fp32 accumulation of a 16-bit matmul, if declared.
-
-  ``None`` where nothing is declared (XLA:CPU, XLA:GPU; fp16 on TPU: see the
-  module docstring) or for a product that is not a matrix product (an operand
-  without a free dimension, or a single output element: compilers lower those
-  as reductions). Decided for JAX's default backend, when the product is traced.
-  """
-  preset = _DECLARED.get(_platform(), {}).get(np.dtype(dtype))
-  if preset is None:
-    return None
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  free = lambda shape, contract, batch: [
-    n for d, n in enumerate(shape) if d not in tuple(contract) + tuple(batch)
-  ]
-  lhs_free, rhs_free = (
-    free(lhs_shape, lhs_contract, lhs_batch),
-    free(rhs_shape, rhs_contract, rhs_batch),
-  )
-  if not lhs_free or not rhs_free or int(np.prod(lhs_free + rhs_free)) < 2:
-    return None
-  return preset
+  """The preset stating fp32 accumulation (:func:`jmp_lite._matmul_precision.declared_precision`)
+  for JAX's default backend, when the product is traced."""
+  return declared_precision(dtype, lhs_shape, rhs_shape, dimension_numbers, _platform())
 
 
 class _Options(NamedTuple):

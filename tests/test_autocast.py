@@ -1,0 +1,195 @@
+"""jl.autocast: the op table applied to a traced program (jmp_lite/_autocast/)."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite as jl
+from jmp_lite import _jaxpr
+
+POLICY = jl.get_policy("params=float32,compute=bfloat16,output=float32")
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
+
+
+def census(closed) -> dict[str, set[str]]:
+  """Primitive name -> the dtypes of its floating operands, nested jaxprs included."""
+  found = collections.defaultdict(set)
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      for atom in eqn.invars:
+        dtype = _jaxpr.dtype_of(atom)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+          found[eqn.primitive.name].add(dtype.name)
+      for sub in _jaxpr.sub_jaxprs(eqn):
+        visit(sub.jaxpr)
+
+  visit(closed.jaxpr)
+  return dict(found)
+
+
+def rmsnorm(x, scale):
+  ms = jnp.mean(x * x, axis=-1, keepdims=True)
+  return x * jax.lax.rsqrt(ms + 1e-6) * scale
+
+
+def block(params, x):
+  """A transformer block with its own softmax and a hand-written RMSNorm."""
+  h = rmsnorm(x, params["scale"])
+  q, k, v = h @ params["wq"], h @ params["wk"], h @ params["wv"]
+  p = jax.nn.softmax(q @ k.T / q.shape[-1] ** 0.5, axis=-1)
+  x = x + (p @ v) @ params["wo"]
+  return x + jax.nn.gelu(rmsnorm(x, params["scale"]) @ params["w1"]) @ params["w2"]
+
+
+def block_params(d=16, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 7)
+  shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, 2 * d)}
+  params = {
+    n: jax.random.normal(k, s) / np.sqrt(s[0])
+    for (n, s), k in zip(shapes.items(), keys[:5], strict=True)
+  }
+  params["w2"] = jax.random.normal(keys[5], (2 * d, d)) / np.sqrt(2 * d)
+  params["scale"] = 1 + 0.1 * jax.random.normal(keys[6], (d,))
+  return params
+
+
+def hand_written(fun, policy=POLICY):
+  """``fun`` with pure casts: every op runs in the dtype its 16-bit inputs have."""
+  return lambda *args: policy.cast_to_output(fun(*policy.cast_to_compute(args)))
+
+
+def rel_err(a, b) -> float:
+  a, b = (np.asarray(t, np.float64) for t in (a, b))
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# The op table.
+
+
+def test_census_matches_the_table():
+  params, x = block_params(), jax.random.normal(jax.random.key(1), (8, 16))
+  found = census(jax.make_jaxpr(jl.autocast(block, POLICY))(params, x))
+  assert found["dot_general"] == {"bfloat16"}
+  for primitive in ("exp", "rsqrt", "reduce_sum"):
+    assert found[primitive] == {"float32"}, primitive
+  assert found["reduce_max"] == {"bfloat16"}  # runs at its input dtype
+  assert found["tanh"] == {"bfloat16"}  # not in the table: runs at its input dtype
+  # The hand-written program runs exp and rsqrt in bf16.
+  plain = census(jax.make_jaxpr(hand_written(block))(params, x))
+  assert plain["exp"] == {"bfloat16"} and plain["rsqrt"] == {"bfloat16"}
+
+
+def test_default_table_rows():
+  table = jl.AUTOCAST_TABLE
+  assert {p for p, r in table.items() if r == "compute"} == {"dot_general", "conv_general_dilated"}
+  fp32 = {"exp", "log", "log1p", "expm1", "pow", "rsqrt", "sqrt", "erf_inv", "logistic"}
+  fp32 |= {"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp"}
+  assert fp32 <= {p for p, r in table.items() if r == "float32"}
+  assert table["reduce_max"] == table["reduce_min"] == "input"
+  assert table["convert_element_type"] == "cast"
+  with pytest.raises(TypeError):
+    table["exp"] = "input"  # read-only
+
+
+def test_fp32_ops_match_fp32_on_16bit_inputs():
+  x = jnp.linspace(0.1, 0.9, 24).reshape(4, 6)
+  fns = {
+    "exp": jnp.exp, "log": jnp.log, "log1p": jnp.log1p, "expm1": jnp.expm1,
+    "sqrt": jnp.sqrt, "rsqrt": jax.lax.rsqrt, "logistic": jax.nn.sigmoid,
+    "pow": lambda a: a ** a, "erf_inv": jax.lax.erf_inv,
+    "reduce_prod": lambda a: jnp.prod(a, -1), "cumsum": lambda a: jnp.cumsum(a, -1),
+    "cumprod": lambda a: jnp.cumprod(a, -1), "cumlogsumexp": lambda a: jax.lax.cumlogsumexp(a, 1),
+  }  # fmt: skip
+  xb = x.astype(jnp.bfloat16)
+  for name, fn in fns.items():
+    # An fp32 argument is read unrounded by fp32 ops, and an fp32 output is their fp32 result.
+    got = jl.autocast(fn, POLICY)(x)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, fn(x), rtol=1e-6, err_msg=name)
+    # A bf16 argument: the op runs in fp32 on its exact value.
+    np.testing.assert_allclose(
+      jl.autocast(fn, POLICY)(xb), fn(xb.astype(F32)), rtol=1e-6, err_msg=name
+    )
+    # The hand-written version runs it in bf16.
+    assert rel_err(hand_written(fn)(x), fn(x)) > 1e-4, name
+
+
+def test_long_sum_in_fp32():
+  x = jnp.arange(64.0) / 8  # exact in bf16; its running sums need up to 11 bits
+  want = np.cumsum(np.arange(64.0) / 8)
+  np.testing.assert_array_equal(jl.autocast(jnp.cumsum, POLICY)(x), want)
+  np.testing.assert_array_equal(jl.autocast(jnp.sum, POLICY)(x), want[-1])
+  assert not np.array_equal(hand_written(jnp.cumsum)(x), want)
+
+
+def test_matmul_takes_compute_operands_and_keeps_program_accumulation():
+  w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+
+  def f(w, x):  # the user widens both operands: the product still runs on bf16 operands
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), preferred_element_type=F32)
+
+  closed = jax.make_jaxpr(jl.autocast(f, POLICY))(w, x)
+  (dot,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert [_jaxpr.dtype_of(v) for v in dot.invars] == [BF16, BF16]
+  assert dot.params["preferred_element_type"] == F32
+  np.testing.assert_array_equal(jl.autocast(f, POLICY)(w, x), jnp.full((2, 3), 4.0))
+
+
+def test_user_cast_is_respected():
+  x = jnp.linspace(0.0, 2.0, 8)
+  # The user rounds exp's result to fp16: it is rounded once, from the fp32 exp.
+  got = jl.autocast(lambda a: jnp.exp(a).astype(jnp.float16), POLICY)(x)
+  np.testing.assert_array_equal(got, jnp.exp(x).astype(jnp.float16).astype(F32))
+  # The user's fp32 region stays fp32, matmul operands aside.
+  f = lambda a: (a.astype(F32) * 1.001).sum()
+  assert census(jax.make_jaxpr(jl.autocast(f, POLICY))(x))["mul"] == {"float32"}
+
+
+def test_unknown_primitive_runs_at_its_input_dtypes():
+  x = jnp.linspace(0.5, 2.0, 6)
+  got = jl.autocast(jnp.cbrt, POLICY)(x)
+  want = jnp.cbrt(x.astype(jnp.bfloat16)).astype(F32)
+  np.testing.assert_array_equal(got, want)
+  assert census(jax.make_jaxpr(jl.autocast(jnp.cbrt, POLICY))(x))["cbrt"] == {"bfloat16"}
+
+
+def test_non_floating_leaves_pass_through():
+  def f(x, n, flag):
+    return {"y": x * n, "n": n + 1, "flag": flag, "key": jax.random.key(0)}
+
+  out = jl.autocast(f, POLICY)(jnp.ones(3), jnp.arange(3), "static")
+  assert out["y"].dtype == F32 and out["n"].dtype == jnp.int32 and out["flag"] == "static"
+  np.testing.assert_array_equal(out["n"], [1, 2, 3])
+  assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+
+
+def test_overrides_and_own_table():
+  x = jnp.linspace(0.0, 1.0, 4)
+  f = lambda a: jnp.exp(a) @ jnp.ones((4, 2))
+  assert census(jax.make_jaxpr(jl.autocast(f, POLICY, overrides={"exp": "input"}))(x))["exp"] == {
+    "bfloat16"
+  }
+  found = census(jax.make_jaxpr(jl.autocast(f, POLICY, table={"dot_general": "float32"}))(x))
+  assert found["exp"] == {"bfloat16"} and found["dot_general"] >= {"float32"}
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error", "match"),
+  [
+    ({"policy": "params=float32,compute=bfloat17"}, ValueError, "bfloat17"),
+    ({"policy": "prams=float32"}, ValueError, "prams"),
+    ({"policy": 3}, TypeError, "policy must be"),
+    ({"overrides": {"exp": "fp32"}}, ValueError, r"overrides\['exp'\] = 'fp32'"),
+    ({"table": ["exp"]}, TypeError, "table must be a mapping"),
+    ({"scopes": {"(": "float32"}}, ValueError, "not a regular expression"),
+    ({"scopes": {"head": "float31"}}, ValueError, "float31"),
+  ],
+)
+def test_bad_arguments_raise_naming_the_part(kwargs, error, match):
+  kwargs = {"policy": POLICY, **kwargs}
+  with pytest.raises(error, match=match):
+    jl.autocast(jnp.exp, kwargs.pop("policy"), **kwargs)
