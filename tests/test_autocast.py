@@ -193,3 +193,159 @@ def test_bad_arguments_raise_naming_the_part(kwargs, error, match):
   kwargs = {"policy": POLICY, **kwargs}
   with pytest.raises(error, match=match):
     jl.autocast(jnp.exp, kwargs.pop("policy"), **kwargs)
+
+
+# Transformations and higher-order primitives.
+
+
+def saved_residuals(fun, *args):
+  """The (dtype, shape) of every value the backward pass of ``fun`` keeps, args aside."""
+  from jax._src.ad_checkpoint import saved_residuals as residuals
+
+  return sorted(
+    (aval.dtype.name, tuple(aval.shape))
+    for aval, why in residuals(fun, *args)
+    if "argument" not in why and aval.shape
+  )
+
+
+def test_jit_grad_vmap_and_traced_once():
+  params, x = block_params(), jax.random.normal(jax.random.key(1), (8, 16))
+  traces = []
+
+  def counted(p, x):
+    traces.append(1)
+    return block(p, x)
+
+  loss = lambda p, x: jl.autocast(counted, POLICY)(p, x).sum()
+  step = jax.jit(jax.grad(loss))
+  grads = step(params, x)
+  step(params, x + 1)
+  assert len(traces) == 1  # traced once; the second call reuses the compiled step
+  assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+  want = jax.grad(lambda p, x: block(p, x).sum())(params, x)
+  for name in grads:
+    assert rel_err(grads[name], want[name]) < 0.03, name
+  # grad of autocast and autocast inside grad agree.
+  inside = jax.jit(jax.grad(lambda p: jl.autocast(block, POLICY)(p, x).sum()))(params)
+  for name in grads:
+    np.testing.assert_allclose(inside[name], grads[name], rtol=1e-6, atol=1e-6)
+  # Parameters closed over are constants of the program, in their own (fp32) dtype: their
+  # matmuls still take bf16 operands.
+  closure = jax.grad(lambda p: jl.autocast(lambda x: block(p, x), POLICY)(x).sum())(params)
+  for name in grads:
+    assert closure[name].dtype == F32 and rel_err(closure[name], want[name]) < 0.03, name
+  batched = jax.vmap(jl.autocast(block, POLICY), (None, 0))(params, x[None])
+  np.testing.assert_allclose(batched[0], jl.autocast(block, POLICY)(params, x), rtol=1e-6)
+
+
+def test_inner_jit_is_rewritten():
+  x = jnp.linspace(0.1, 0.9, 8)
+  f = jax.jit(lambda a: jnp.exp(a) * 2)
+  assert census(jax.make_jaxpr(jl.autocast(f, POLICY))(x))["exp"] == {"float32"}
+  want = 2 * jnp.exp(x).astype(jnp.bfloat16)  # the fp32 exp, rounded for the bf16 product
+  np.testing.assert_array_equal(jl.autocast(f, POLICY)(x), want.astype(F32))
+
+
+def test_scan_carries_keep_their_dtype():
+  x, w = jnp.linspace(-1, 1, 12).reshape(3, 4), jnp.full((4, 4), 0.1)
+
+  def f(w, x):
+    def body(carry, xi):
+      h, c = carry
+      h = jnp.tanh(h @ w) + jnp.exp(xi)
+      return (h, c + jnp.exp(xi).sum()), h.sum()
+
+    (h, c), ys = jax.lax.scan(body, (x[0], jnp.zeros((), F32)), x)
+    return h, c, ys
+
+  closed = jax.make_jaxpr(jl.autocast(f, POLICY))(w, x)
+  (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+  # The fp32 carry enters and leaves fp32, the bf16 one bf16; the body's exp runs in fp32.
+  assert [_jaxpr.dtype_of(v).name for v in scan.outvars[:2]] == ["bfloat16", "float32"]
+  assert census(closed)["exp"] == {"float32"}
+  h, c, _ = jl.autocast(f, POLICY)(w, x)
+  np.testing.assert_allclose(c, jnp.exp(x.astype(jnp.bfloat16).astype(F32)).sum(), rtol=1e-6)
+  assert rel_err(h, f(w, x)[0]) < 0.02
+  grads = jax.grad(lambda w: jl.autocast(f, POLICY)(w, x)[0].sum())(w)
+  assert grads.dtype == F32 and rel_err(grads, jax.grad(lambda w: f(w, x)[0].sum())(w)) < 0.03
+
+
+def test_cond_and_while_are_rewritten():
+  x = jnp.linspace(0.1, 0.9, 8)
+
+  def f(x):
+    y = jax.lax.cond(x.sum() > 0, jnp.exp, lambda a: a * 2, x)
+    _, z = jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.log1p(c[1])), (0, y))
+    return z
+
+  closed = jax.make_jaxpr(jl.autocast(f, POLICY))(x)
+  assert census(closed)["exp"] == {"float32"} and census(closed)["log1p"] == {"float32"}
+  xb = x.astype(jnp.bfloat16).astype(F32)
+  r = lambda a: a.astype(jnp.bfloat16).astype(F32)  # the program's bf16 carries
+  np.testing.assert_array_equal(
+    jl.autocast(f, POLICY)(x), r(jnp.log1p(r(jnp.log1p(r(jnp.exp(xb))))))
+  )
+
+
+def test_checkpoint_keeps_its_policy():
+  w, x = jnp.full((4, 4), 0.1), jnp.linspace(-1, 1, 8).reshape(2, 4)
+  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  f = lambda w, x: jax.checkpoint(lambda w, x: jnp.exp(x @ w).sum(), policy=policy)(w, x)
+  closed = jax.make_jaxpr(jl.autocast(f, POLICY))(w, x)
+  policies = [e.params["policy"] for e in closed.jaxpr.eqns if e.primitive.name == "remat2"]
+  assert policies == [policy]
+  grads = jax.grad(jl.autocast(f, POLICY))(w, x)
+  assert grads.dtype == F32 and rel_err(grads, jax.grad(f)(w, x)) < 0.02
+
+
+def test_user_custom_vjp_rule_runs_at_its_input_dtypes():
+  @jax.custom_vjp
+  def op(x):
+    return jnp.exp(x)
+
+  op.defvjp(lambda x: (jnp.exp(x), x), lambda x, g: (jnp.exp(x) * g,))
+  x = jnp.linspace(0.1, 0.9, 8)
+  found = census(jax.make_jaxpr(jl.autocast(op, POLICY))(x))
+  assert found["exp"] == {"bfloat16"}  # the user's rule, as written, on its bf16 input
+  xb = x.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(jl.autocast(op, POLICY)(x), jnp.exp(xb).astype(F32))
+  np.testing.assert_array_equal(
+    jax.grad(lambda a: jl.autocast(op, POLICY)(a).sum())(x), jnp.exp(xb).astype(F32)
+  )
+
+
+def test_custom_jvp_softmax_is_an_fp32_softmax_with_16bit_residuals():
+  z = jax.random.normal(jax.random.key(0), (4, 64)) * 3
+  v = jax.random.normal(jax.random.key(1), (64, 8))
+  f = lambda z, v: jax.nn.softmax(z, axis=-1) @ v
+  with jax.softmax_custom_jvp(True):
+    closed = jax.make_jaxpr(jl.autocast(f, POLICY))(z, v)
+    assert census(closed)["exp"] == {"float32"} and census(closed)["div"] == {"float32"}
+    got = jl.autocast(jax.nn.softmax, POLICY)(z)
+    zb = z.astype(jnp.bfloat16).astype(F32)
+    np.testing.assert_allclose(got, jax.nn.softmax(zb), rtol=1e-6)
+    assert ("float32", (4, 64)) not in saved_residuals(jl.autocast(f, POLICY), z, v)
+    g = jax.grad(lambda z: jl.autocast(f, POLICY)(z, v).sum())(z)
+  assert rel_err(g, jax.grad(lambda z: f(z, v).sum())(z)) < 0.02
+
+
+def test_fp32_ops_keep_16bit_residuals():
+  w, x = jnp.full((16, 16), 0.05), jnp.linspace(-1, 1, 128).reshape(8, 16)
+  f = lambda w, x: jnp.exp(x @ w) @ w + jax.lax.rsqrt(x * x + 1) @ w
+  saved = saved_residuals(jl.autocast(f, POLICY), w, x)
+  assert ("float32", (8, 16)) not in saved  # no fp32 activation kept
+  assert ("bfloat16", (8, 16)) in saved
+
+
+def test_name_scopes_are_kept():
+  x = jnp.linspace(0.1, 0.9, 8)
+
+  def f(x):
+    with jax.named_scope("block"):
+      return jnp.exp(x) * 2
+
+  closed = jax.make_jaxpr(jl.autocast(f, POLICY))(x)
+  scopes = {str(e.source_info.name_stack) for e in closed.jaxpr.eqns if e.primitive.name == "mul"}
+  assert scopes == {"block"}
+  assert "block" in jax.jit(jl.autocast(f, POLICY)).lower(x).as_text(debug_info=True)

@@ -31,10 +31,11 @@ from jmp_lite._matmul_precision import declared_precision, is_16bit_float
 _F32 = np.dtype(np.float32)
 FULL_PRECISION_SCOPE = "jmp_lite_full_precision"
 """The named scope :func:`full_precision` marks its operations with."""
-# jax.nn.softmax's custom_jvp (under jax_softmax_custom_jvp) and log_softmax's, by name.
-_SOFTMAX_RULES = frozenset({"_softmax", "_log_softmax", "softmax", "log_softmax"})
+# jax.nn.softmax's custom_jvp (under jax_softmax_custom_jvp), by its function's name.
+_SOFTMAX_RULES = frozenset({"_softmax", "_log_softmax"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _USER_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_CHECKPOINTS = frozenset({"checkpoint", "remat", "remat2"})  # jax.checkpoint's primitive
 _REWRITTEN_SUBJAXPRS = frozenset({"scan", "while", "cond"})
 
 
@@ -123,10 +124,10 @@ class Interpreter:
       closed = eqn.params["jaxpr"]
       return self.run(closed.jaxpr, closed.consts, ins, names)
     if name in _USER_RULES:
-      if eqn.params.get("name") in _SOFTMAX_RULES:
+      if _jax_nn_rule(eqn) in _SOFTMAX_RULES:
         return self._fp32_region(eqn, ins)
       return self._bind(eqn, [v.narrow for v in ins])
-    if name == "checkpoint":
+    if name in _CHECKPOINTS:
       return self._checkpoint(eqn, ins)
     if name in _REWRITTEN_SUBJAXPRS:
       return self._bind(eqn, [v.narrow for v in ins], self._rewrite_params(eqn.params))
@@ -269,6 +270,15 @@ class Interpreter:
       return [_match(o.narrow, v.aval) for o, v in zip(outs, closed.jaxpr.outvars, strict=True)]
 
     return jax.make_jaxpr(body)(*specs)
+
+
+def _jax_nn_rule(eqn: Any) -> str | None:
+  """The name of the ``jax.nn`` function whose custom rule ``eqn`` calls, else None."""
+  closed = eqn.params.get("call_jaxpr")
+  info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
+  source = getattr(info, "func_src_info", None) or ""
+  name, _, path = source.partition(" at ")
+  return name if "/jax/_src/nn/" in path.replace("\\", "/") else None
 
 
 def _match(x: Any, aval: Any) -> Any:
