@@ -349,3 +349,21 @@ def test_name_scopes_are_kept():
   scopes = {str(e.source_info.name_stack) for e in closed.jaxpr.eqns if e.primitive.name == "mul"}
   assert scopes == {"block"}
   assert "block" in jax.jit(jl.autocast(f, POLICY)).lower(x).as_text(debug_info=True)
+
+
+def test_shard_map_body_and_sharding_constraints_are_rewritten():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  body = lambda a: jax.lax.psum(jnp.exp(a).sum(keepdims=True), "d")
+  f = lambda x: jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P())(x)
+  x = jnp.linspace(0.0, 1.0, 8)
+  assert census(jax.make_jaxpr(jl.autocast(f, POLICY))(x))["exp"] == {"float32"}
+  xb = x.astype(jnp.bfloat16).astype(F32)
+  want = jnp.exp(xb).sum(keepdims=True).astype(jnp.bfloat16).astype(F32)
+  np.testing.assert_array_equal(jax.jit(jl.autocast(f, POLICY))(x), want)
+  grad = jax.grad(lambda x: jl.autocast(f, POLICY)(x).sum())(x)
+  np.testing.assert_array_equal(grad, jnp.exp(xb).astype(jnp.bfloat16).astype(F32))
+  g = lambda x: jax.lax.with_sharding_constraint(jnp.exp(x), NamedSharding(mesh, P("d")))
+  np.testing.assert_array_equal(jax.jit(jl.autocast(g, POLICY))(x), jnp.exp(x))

@@ -35,6 +35,11 @@ FULL_PRECISION_SCOPE = "jmp_lite_full_precision"
 _SOFTMAX_RULES = frozenset({"_softmax", "_log_softmax"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _USER_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+# Operations that only move values: an unrounded fp32 value moves along with the rounded one.
+_MOVES = frozenset(
+  {"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
+   "sharding_constraint", "slice", "rev"}
+)  # fmt: skip
 _CHECKPOINTS = frozenset({"checkpoint", "remat", "remat2"})  # jax.checkpoint's primitive
 _REWRITTEN_SUBJAXPRS = frozenset({"scan", "while", "cond"})
 
@@ -129,6 +134,8 @@ class Interpreter:
       return self._bind(eqn, [v.narrow for v in ins])
     if name in _CHECKPOINTS:
       return self._checkpoint(eqn, ins)
+    if name == "shard_map":
+      return self._shard_map(eqn, ins)
     if name in _REWRITTEN_SUBJAXPRS:
       return self._bind(eqn, [v.narrow for v in ins], self._rewrite_params(eqn.params))
     rule, dtype = self._rule(eqn, names)
@@ -140,7 +147,11 @@ class Interpreter:
       return self._at(eqn, ins, dtype, recompute=False)
     if rule == "cast":
       return self._convert(eqn, ins)
-    return self._bind(eqn, [v.narrow for v in ins])
+    outs = self._bind(eqn, [v.narrow for v in ins])
+    if name in _MOVES and len(ins) == 1 and ins[0].wide is not None:
+      (wide,) = self._bind(eqn, [ins[0].wide])
+      outs = [Value(outs[0].narrow, wide.narrow)]
+    return outs
 
   # The rules.
 
@@ -241,6 +252,27 @@ class Interpreter:
       return [v.narrow for v in outs]
 
     fn = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
+    return [Value(o) for o in fn(*[v.narrow for v in ins])]
+
+  def _shard_map(self, eqn: Any, ins: list[Value]) -> list[Value]:
+    """``shard_map``: its body rewritten, over the same mesh and specs."""
+    params = eqn.params
+    jaxpr = params["jaxpr"]
+    from jax._src import source_info_util
+
+    def body(*args):
+      prefix = source_info_util.current_name_stack()
+      outs = self.run(jaxpr, (), [Value(a) for a in args], prefix)
+      return tuple(_match(o.narrow, v.aval) for o, v in zip(outs, jaxpr.outvars, strict=True))
+
+    fn = jax.shard_map(
+      body,
+      mesh=params["mesh"],
+      in_specs=params["in_specs"],
+      out_specs=params["out_specs"],
+      check_vma=params["check_vma"],
+      axis_names=params["newly_manual_axes"],
+    )
     return [Value(o) for o in fn(*[v.narrow for v in ins])]
 
   def _rewrite_params(self, params: Mapping[str, Any]) -> dict:
