@@ -367,3 +367,57 @@ def test_shard_map_body_and_sharding_constraints_are_rewritten():
   np.testing.assert_array_equal(grad, jnp.exp(xb).astype(jnp.bfloat16).astype(F32))
   g = lambda x: jax.lax.with_sharding_constraint(jnp.exp(x), NamedSharding(mesh, P("d")))
   np.testing.assert_array_equal(jax.jit(jl.autocast(g, POLICY))(x), jnp.exp(x))
+
+
+# Overrides: full_precision and name-scope patterns.
+
+
+def test_full_precision_returns_the_dtype_it_was_given():
+  x = jnp.linspace(0.1, 0.9, 8).astype(jnp.bfloat16)
+  got = jl.full_precision(lambda a: {"y": jnp.exp(a) * 3, "n": jnp.arange(2)})(x)
+  assert got["y"].dtype == BF16 and got["n"].dtype == jnp.int32
+  np.testing.assert_array_equal(got["y"], (jnp.exp(x.astype(F32)) * 3).astype(jnp.bfloat16))
+  assert jl.full_precision(jnp.exp)(jnp.ones(2, jnp.float16)).dtype == jnp.float16
+  # The gradient keeps the argument's dtype too.
+  assert jax.grad(lambda a: jl.full_precision(jnp.exp)(a).sum().astype(F32))(x).dtype == BF16
+
+
+def test_full_precision_inside_autocast_runs_in_fp32():
+  w, x = jnp.full((4, 3), 0.25), jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+
+  def f(w, x):
+    h = x @ w
+    return jl.full_precision(lambda h, w2: jnp.tanh(h) @ w2)(h, w.T)
+
+  closed = jax.make_jaxpr(jl.autocast(f, POLICY))(w, x)
+  dots = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
+  operands = [[_jaxpr.dtype_of(v).name for v in e.invars] for e in dots]
+  assert operands == [["bfloat16", "bfloat16"], ["float32", "float32"]]
+  assert census(closed)["tanh"] == {"float32"}
+  h = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(F32)
+  want = (jnp.tanh(h) @ w.T.astype(jnp.bfloat16).astype(F32)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(jl.autocast(f, POLICY)(w, x), want.astype(F32))
+
+
+def test_scope_patterns_pick_the_dtype_of_flax_module_paths():
+  import flax.linen as nn
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = jnp.tanh(nn.Dense(4)(x))
+      return nn.Dense(2, name="head")(x)
+
+  model, x = Model(), jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+  params = jax.jit(model.init)(jax.random.key(0), x)
+  fn = jl.autocast(model.apply, POLICY, scopes={r"/head$": "float32"})
+  by_scope = collections.defaultdict(set)
+  for eqn in jax.make_jaxpr(fn)(params, x).jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      by_scope[str(eqn.source_info.name_stack)] |= {_jaxpr.dtype_of(v).name for v in eqn.invars}
+  assert dict(by_scope) == {"Model/Dense_0": {"bfloat16"}, "Model/head": {"float32"}}
+  # The head reads the fp32 kernel, unrounded.
+  dense = jl.Policy("f32", "bf16", "bf16").cast_to_compute(params["params"]["Dense_0"])
+  h = jnp.tanh(x.astype(jnp.bfloat16) @ dense["kernel"] + dense["bias"]).astype(F32)
+  head = params["params"]["head"]
+  np.testing.assert_allclose(fn(params, x), h @ head["kernel"] + head["bias"], rtol=1e-6)
