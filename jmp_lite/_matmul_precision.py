@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -55,3 +56,37 @@ def declared_precision(
   if not lhs_free or not rhs_free or int(np.prod(lhs_free + rhs_free)) < 2:
     return None
   return preset
+
+
+def bind_wide(primitive: Any, params: dict, wide: np.dtype, lhs: Any, rhs: Any) -> jax.Array:
+  """Binds a 16-bit product with a ``wide`` result, in a form every backend runs.
+
+  XLA:CPU keeps a bf16 x bf16 -> fp32 matmul on bf16 operands when its dot
+  library (YNNPACK) takes it, and only later folds a transpose of the result
+  into the dot (operands swapped: the lhs contracted on dimension 0, the rhs
+  on dimension 1). That happens to the kernel gradient of a layer applied to
+  [batch, length, features] inputs, which JAX computes transposed. The
+  library refuses that form and XLA:CPU's generic dot has no such kernel:
+  the program compiles, then fails ("Unsupported element type for DotThunk:
+  BF16 x BF16 = F32"). So on CPU the operands are widened first, exactly:
+  the same products, summed in fp32 (as XLA:CPU computes 16-bit matmuls
+  anyway). Other platforms keep the 16-bit operands; the branch is picked
+  when the program is lowered, so theirs holds no trace of the CPU one.
+
+  Args:
+    primitive: ``dot_general_p`` or ``conv_general_dilated_p``.
+    params: its bind parameters.
+    wide: the result dtype.
+    lhs: the left 16-bit operand.
+    rhs: the right 16-bit operand.
+
+  Returns:
+    The product in ``wide``.
+  """
+  params = dict(params, preferred_element_type=wide)
+  narrow = lambda a, b: primitive.bind(a, b, **params)
+  # precision=None: an fp32 CPU product has nothing to declare (a TPU preset names 16-bit operands).
+  widened = lambda a, b: primitive.bind(
+    a.astype(wide), b.astype(wide), **dict(params, precision=None)
+  )
+  return lax.platform_dependent(lhs, rhs, cpu=widened, default=narrow)

@@ -133,9 +133,18 @@ def test_matmul_takes_compute_operands_and_keeps_program_accumulation():
     return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), preferred_element_type=F32)
 
   closed = jax.make_jaxpr(jl.autocast(f, POLICY))(w, x)
-  (dot,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
-  assert [_jaxpr.dtype_of(v) for v in dot.invars] == [BF16, BF16]
-  assert dot.params["preferred_element_type"] == F32
+  # bf16 operands with an fp32 result; XLA:CPU's branch widens them first (it has no kernel for
+  # every such product), the others keep them.
+  (branches,) = [e.params["branches"] for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+  operands = sorted(
+    tuple(_jaxpr.dtype_of(v).name for v in e.invars)
+    for b in branches
+    for e in b.jaxpr.eqns
+    if e.primitive.name == "dot_general"
+  )
+  assert operands == [("bfloat16", "bfloat16"), ("float32", "float32")]
+  lowered = jax.jit(jl.autocast(f, POLICY)).trace(w, x).lower(lowering_platforms=("cuda",))
+  assert "bf16" in lowered.as_text() and "preferred" not in lowered.as_text()
   np.testing.assert_array_equal(jl.autocast(f, POLICY)(w, x), jnp.full((2, 3), 4.0))
 
 
@@ -210,7 +219,7 @@ def saved_residuals(fun, *args):
 
 
 def test_jit_grad_vmap_and_traced_once():
-  params, x = block_params(), jax.random.normal(jax.random.key(1), (8, 16))
+  params, x = block_params(d=8), jax.random.normal(jax.random.key(1), (4, 8))
   traces = []
 
   def counted(p, x):
@@ -223,7 +232,7 @@ def test_jit_grad_vmap_and_traced_once():
   step(params, x + 1)
   assert len(traces) == 1  # traced once; the second call reuses the compiled step
   assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
-  want = jax.grad(lambda p, x: block(p, x).sum())(params, x)
+  want = jax.jit(jax.grad(lambda p, x: block(p, x).sum()))(params, x)
   for name in grads:
     assert rel_err(grads[name], want[name]) < 0.03, name
   # grad of autocast and autocast inside grad agree.
@@ -232,11 +241,11 @@ def test_jit_grad_vmap_and_traced_once():
     np.testing.assert_allclose(inside[name], grads[name], rtol=1e-6, atol=1e-6)
   # Parameters closed over are constants of the program, in their own (fp32) dtype: their
   # matmuls still take bf16 operands.
-  closure = jax.grad(lambda p: jl.autocast(lambda x: block(p, x), POLICY)(x).sum())(params)
+  closure = jax.jit(jax.grad(lambda p: jl.autocast(lambda x: block(p, x), POLICY)(x).sum()))(params)
   for name in grads:
     assert closure[name].dtype == F32 and rel_err(closure[name], want[name]) < 0.03, name
-  batched = jax.vmap(jl.autocast(block, POLICY), (None, 0))(params, x[None])
-  np.testing.assert_allclose(batched[0], jl.autocast(block, POLICY)(params, x), rtol=1e-6)
+  batched = jax.jit(jax.vmap(jl.autocast(block, POLICY), (None, 0)))(params, x[None])
+  np.testing.assert_allclose(batched[0], jax.jit(jl.autocast(block, POLICY))(params, x), rtol=1e-6)
 
 
 def test_inner_jit_is_rewritten():

@@ -26,7 +26,7 @@ import numpy as np
 
 from jmp_lite import _jaxpr
 from jmp_lite._autocast._table import LINEAR
-from jmp_lite._matmul_precision import declared_precision, is_16bit_float
+from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
 
 _F32 = np.dtype(np.float32)
 FULL_PRECISION_SCOPE = "jmp_lite_full_precision"
@@ -143,7 +143,7 @@ class Interpreter:
       return self._compute(eqn, ins)
     if rule == "float32":
       return self._at(eqn, ins, _F32, recompute=name not in LINEAR)
-    if rule == "scope":
+    if rule == "scope" and dtype is not None:
       return self._at(eqn, ins, dtype, recompute=False)
     if rule == "cast":
       return self._convert(eqn, ins)
@@ -171,14 +171,18 @@ class Interpreter:
     args = [_cast(v.narrow, compute) if _is_float(_dtype(v.narrow)) else v.narrow for v in ins]
     out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
     params = dict(eqn.params)
-    if _is_float(out_dtype) and all(_is_float(_dtype(a)) for a in args):
-      params["preferred_element_type"] = out_dtype
-      if eqn.primitive.name == "dot_general" and params.get("precision") is None:
-        if is_16bit_float(compute):
-          params["precision"] = declared_precision(
-            compute, np.shape(args[0]), np.shape(args[1]), params["dimension_numbers"],
-            jax.default_backend(),
-          )  # fmt: skip
+    if not (_is_float(out_dtype) and all(_is_float(_dtype(a)) for a in args)):
+      return self._bind(eqn, args, params)
+    params["preferred_element_type"] = out_dtype
+    if eqn.primitive.name == "dot_general" and params.get("precision") is None:
+      params["precision"] = declared_precision(
+        compute, np.shape(args[0]), np.shape(args[1]), params["dimension_numbers"],
+        jax.default_backend(),
+      )  # fmt: skip
+    if is_16bit_float(compute) and out_dtype.itemsize > compute.itemsize:
+      # A wide result of 16-bit operands: bound in a form every backend runs.
+      bind_params = eqn.primitive.get_bind_params(params)
+      return [Value(bind_wide(eqn.primitive, bind_params, out_dtype, *args))]
     return self._bind(eqn, args, params)
 
   def _at(self, eqn: Any, ins: list[Value], dtype: np.dtype, recompute: bool) -> list[Value]:
@@ -187,7 +191,9 @@ class Interpreter:
     if not floats or len({_jaxpr.dtype_of(a) for a in floats}) > 1:
       return self._bind(eqn, [v.narrow for v in ins])  # mixed dtypes: left as written
     program = _jaxpr.dtype_of(floats[0])
-    if program == dtype or (program.itemsize >= dtype.itemsize and dtype == _F32):
+    if (
+      program is None or program == dtype or (program.itemsize >= dtype.itemsize and dtype == _F32)
+    ):
       return self._bind(eqn, [v.narrow for v in ins])
     args = [v.wide if v.wide is not None and dtype == _F32 else v.narrow for v in ins]
 
