@@ -430,3 +430,16 @@ def test_scope_patterns_pick_the_dtype_of_flax_module_paths():
   h = jnp.tanh(x.astype(jnp.bfloat16) @ dense["kernel"] + dense["bias"]).astype(F32)
   head = params["params"]["head"]
   np.testing.assert_allclose(fn(params, x), h @ head["kernel"] + head["bias"], rtol=1e-6)
+
+
+def test_autocast_of_grad_rewrites_the_backward_pass():
+  params, x = block_params(d=8), jax.random.normal(jax.random.key(1), (4, 8))
+  loss = lambda p, x: block(p, x).sum()
+  outer = census(jax.make_jaxpr(jax.grad(jl.autocast(loss, POLICY)))(params, x))
+  assert outer["reduce_sum"] == {"bfloat16", "float32"}  # JAX's bf16 sums in the backward pass
+  inner = census(jax.make_jaxpr(jl.autocast(jax.grad(loss), POLICY))(params, x))
+  assert inner["reduce_sum"] == {"float32"} and inner["dot_general"] == {"bfloat16"}
+  grads = jax.jit(jl.autocast(jax.grad(loss), POLICY))(params, x)
+  want = jax.jit(jax.grad(loss))(params, x)
+  for name in grads:
+    assert grads[name].dtype == F32 and rel_err(grads[name], want[name]) < 0.03, name
