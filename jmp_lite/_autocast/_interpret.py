@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _jaxpr
+from jmp_lite._autocast._from_output import DERIVATIVES, wide_and_narrow
 from jmp_lite._autocast._table import LINEAR
 from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
 
@@ -196,6 +197,10 @@ class Interpreter:
     ):
       return self._bind(eqn, [v.narrow for v in ins])
     args = [v.wide if v.wide is not None and dtype == _F32 else v.narrow for v in ins]
+    if recompute and eqn.primitive.name in DERIVATIVES and is_16bit_float(_dtype(args[0])):
+      params = eqn.primitive.get_bind_params(eqn.params)
+      wide, narrow = wide_and_narrow(eqn.primitive, params, args[0])
+      return [Value(narrow, wide)]
 
     def run(*args):
       args = [_cast(a, dtype) if _is_float(_dtype(a)) else a for a in args]
