@@ -25,6 +25,7 @@ from jmp_lite._audit import (
   audit,
   audit_jaxpr,
 )
+from jmp_lite._autocast import AUTOCAST_TABLE, autocast, full_precision
 from jmp_lite._dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
 from jmp_lite._loss_scale import (
   DynamicLossScale,
@@ -71,6 +72,10 @@ __all__ = (
   "get_policy",
   "cast_to_full",
   "cast_to_half",
+  # Op-level policies
+  "autocast",
+  "full_precision",
+  "AUTOCAST_TABLE",
   # Loss scales
   "LossScale",
   "NoOpLossScale",

@@ -20,7 +20,9 @@ MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 700, 250, 100
 # The lowest layer first; a module may import its own layer or a lower one.
 LAYERS = (
   ("_validation", "_tree_util", "_context", "_jaxpr", "_dtypes", "dtypes", "_frames"),
+  ("_matmul_precision",),
   ("_finite", "_fp8_config", "_policy", "policy", "_policy_scope"),
+  ("_autocast",),
   ("_loss_scale", "loss_scale"),
   ("_transform", "transform", "_rounding", "_low_precision_params"),
   ("layerwise", "fp8", "_audit", "_step_check", "diagnostics", "_plotting", "plotting"),

@@ -25,7 +25,7 @@ What each backend does with a ``dot_general`` of two 16-bit operands and a
   computes them in fp32), but rejects the presets for fp16 and for dots with a
   single output element, so nothing is declared there. It cannot run every
   16-bit x 16-bit -> fp32 matmul, so the wide gradients below take fp32
-  operands there (``_bind_wide`` says why).
+  operands there (``jmp_lite._matmul_precision.bind_wide`` says why).
 * Convolutions: cuDNN, the TPU and XLA:CPU accumulate 16-bit convolutions in
   fp32 (fp16 on cuDNN: fp32 partial sums rounded more than once); JAX drops an
   algorithm preset on ``conv_general_dilated``, so none is declared.
@@ -68,17 +68,9 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jmp_lite import _validation
+from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
 
 _F32 = np.dtype(np.float32)
-# The presets declared, by platform (see the module docstring): none on XLA:GPU, which
-# honours them but then emits every declared dot as a Triton gemm, never cuBLAS.
-_DECLARED = {"tpu": {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32}}
-
-
-def is_16bit_float(dtype: Any) -> bool:
-  """Whether ``dtype`` is float16 or bfloat16."""
-  dtype = np.dtype(dtype)
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
 
 
 def _platform() -> str:
@@ -99,27 +91,9 @@ def _narrow(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype | None:
 def _declared_precision(
   dtype: Any, lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any
 ) -> lax.DotAlgorithmPreset | None:
-  """The algorithm preset stating fp32 accumulation of a 16-bit matmul, if declared.
-
-  ``None`` where nothing is declared (XLA:CPU, XLA:GPU; fp16 on TPU: see the
-  module docstring) or for a product that is not a matrix product (an operand
-  without a free dimension, or a single output element: compilers lower those
-  as reductions). Decided for JAX's default backend, when the product is traced.
-  """
-  preset = _DECLARED.get(_platform(), {}).get(np.dtype(dtype))
-  if preset is None:
-    return None
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  free = lambda shape, contract, batch: [
-    n for d, n in enumerate(shape) if d not in tuple(contract) + tuple(batch)
-  ]
-  lhs_free, rhs_free = (
-    free(lhs_shape, lhs_contract, lhs_batch),
-    free(rhs_shape, rhs_contract, rhs_batch),
-  )
-  if not lhs_free or not rhs_free or int(np.prod(lhs_free + rhs_free)) < 2:
-    return None
-  return preset
+  """The preset stating fp32 accumulation (:func:`jmp_lite._matmul_precision.declared_precision`)
+  for JAX's default backend, when the product is traced."""
+  return declared_precision(dtype, lhs_shape, rhs_shape, dimension_numbers, _platform())
 
 
 class _Options(NamedTuple):
@@ -161,8 +135,8 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
   """Evaluates ``closed`` with every 16-bit product leaving its matmul in ``wide``.
 
   Each ``dot_general``/``conv_general_dilated`` with a 16-bit result is bound
-  with ``preferred_element_type=wide`` (by :func:`_bind_wide`); every other
-  equation is bound as it is. Binding (rather than calling XLA) keeps it
+  with ``preferred_element_type=wide`` (by ``jmp_lite._matmul_precision.bind_wide``);
+  every other equation is bound as it is. Binding (rather than calling XLA) keeps it
   traceable under jit/vmap.
   """
   env: dict[Any, Any] = {}
@@ -177,7 +151,7 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
     params = eqn.primitive.get_bind_params(eqn.params)
     products = (lax.dot_general_p, lax.conv_general_dilated_p)
     if eqn.primitive in products and is_16bit_float(eqn.outvars[0].aval.dtype):
-      outs = _bind_wide(eqn.primitive, params, wide, *(read(v) for v in eqn.invars))
+      outs = bind_wide(eqn.primitive, params, wide, *(read(v) for v in eqn.invars))
     else:
       outs = eqn.primitive.bind(*(read(v) for v in eqn.invars), **params)
     results = outs if eqn.primitive.multiple_results else [outs]
@@ -185,30 +159,6 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
       if not isinstance(var, jex_core.DropVar):
         env[var] = val
   return [read(v) for v in jaxpr.outvars]
-
-
-def _bind_wide(primitive: Any, params: dict, wide: np.dtype, lhs: Any, rhs: Any) -> jax.Array:
-  """Binds a 16-bit product with a ``wide`` result, in a form every backend runs.
-
-  XLA:CPU keeps a bf16 x bf16 -> fp32 matmul on bf16 operands when its dot
-  library (YNNPACK) takes it, and only later folds a transpose of the result
-  into the dot (operands swapped: the lhs contracted on dimension 0, the rhs
-  on dimension 1). That happens to the kernel gradient of a layer applied to
-  [batch, length, features] inputs, which JAX computes transposed. The
-  library refuses that form and XLA:CPU's generic dot has no such kernel:
-  the program compiles, then fails ("Unsupported element type for DotThunk:
-  BF16 x BF16 = F32"). So on CPU the operands are widened first, exactly:
-  the same products, summed in fp32 (as XLA:CPU computes 16-bit matmuls
-  anyway). Other platforms keep the 16-bit operands; the branch is picked
-  when the program is lowered, so theirs holds no trace of the CPU one.
-  """
-  params = dict(params, preferred_element_type=wide)
-  narrow = lambda a, b: primitive.bind(a, b, **params)
-  # precision=None: an fp32 CPU product has nothing to declare (a TPU preset names 16-bit operands).
-  widened = lambda a, b: primitive.bind(
-    a.astype(wide), b.astype(wide), **dict(params, precision=None)
-  )
-  return lax.platform_dependent(lhs, rhs, cpu=widened, default=narrow)
 
 
 def _transposed(op: Callable[..., jax.Array], operands: tuple, side: int, cotangent, wide):

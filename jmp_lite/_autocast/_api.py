@@ -1,0 +1,170 @@
+"""``autocast`` and ``full_precision``: a precision policy applied op by op to any function."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import _dtypes
+from jmp_lite._autocast import _table
+from jmp_lite._autocast._interpret import FULL_PRECISION_SCOPE, Config, Interpreter, Value
+from jmp_lite._policy import Policy, cast_floating, get_policy
+
+F = TypeVar("F", bound=Callable[..., Any])
+_F32 = np.dtype(np.float32)
+
+
+def _as_policy(policy: Any) -> Policy:
+  if isinstance(policy, Policy):
+    return policy
+  if isinstance(policy, str):
+    return get_policy(policy)
+  raise TypeError(f"policy must be a jmp_lite.Policy or a policy string, got {policy!r}.")
+
+
+def _scopes(scopes: Any) -> tuple[tuple[re.Pattern, np.dtype], ...]:
+  if scopes is None:
+    return ()
+  if not isinstance(scopes, Mapping):
+    raise TypeError(f"scopes must map name-scope patterns to dtypes, got {scopes!r}.")
+  out = []
+  for pattern, dtype in scopes.items():
+    try:
+      compiled = re.compile(pattern)
+    except (re.error, TypeError) as e:
+      raise ValueError(f"scopes: {pattern!r} is not a regular expression ({e}).") from None
+    out.append((compiled, np.dtype(_dtypes.parse_dtype(dtype))))
+  return tuple(out)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_jax_type(x: Any) -> bool:
+  return _is_array(x) or isinstance(x, (bool, int, float, complex))
+
+
+def _is_float(x: Any) -> bool:
+  return _is_array(x) and bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def autocast(
+  fun: F,
+  policy: Policy | str,
+  *,
+  table: Mapping[str, str] | None = None,
+  overrides: Mapping[str, str] | None = None,
+  scopes: Mapping[str, Any] | None = None,
+) -> F:
+  """``fun`` with ``policy`` applied op by op (a rewrite of its traced program).
+
+  ``fun`` is traced with its floating array arguments cast to the compute
+  dtype, then its program is evaluated equation by equation under the op table
+  (:data:`jmp_lite.AUTOCAST_TABLE`, docs/autocast.md): matmuls and convolutions
+  on compute-dtype operands, ``exp``/``log``/long reductions... in fp32 (from
+  the unrounded fp32 argument where one was given), the rest at the dtypes the
+  program gives them, casts as written. Floating outputs are cast to the
+  output dtype; other leaves pass through. Gradients with respect to an
+  argument have its dtype (fp32 for fp32 parameters).
+
+  Args:
+    fun: the function; its arguments and results are pytrees of arrays (other
+      leaves are treated as constants).
+    policy: a :class:`~jmp_lite.Policy` or a policy string
+      (:func:`~jmp_lite.get_policy`). Its param dtype is not applied:
+      parameters arrive in the dtype they are stored in.
+    table: an op table replacing the default (primitive name -> ``"compute"``,
+      ``"float32"``, ``"input"`` or ``"cast"``).
+    overrides: rules for some primitives, applied on top of ``table``.
+    scopes: name-scope regular expressions -> dtype: operations whose name
+      stack matches run in that dtype (the first pattern that matches wins).
+
+  Returns:
+    A function with ``fun``'s signature.
+
+  Raises:
+    TypeError: for a policy that is neither a Policy nor a string, or a table
+      that is not a mapping.
+    ValueError: for a bad policy string, rule or scope pattern.
+  """
+  policy = _as_policy(policy)
+  rules = _table.check_table(_table.AUTOCAST_TABLE if table is None else table, "table")
+  rules.update(_table.check_table({} if overrides is None else overrides, "overrides"))
+  config = Config(np.dtype(policy.compute_dtype), rules, _scopes(scopes))
+  output = np.dtype(policy.output_dtype)
+
+  @functools.wraps(fun)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    from jax._src import source_info_util
+
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    given = [leaves[i] for i in dynamic]
+    narrow = [cast_floating(x, config.compute) for x in given]
+    out_tree = []
+
+    def flat(*values):
+      full = list(leaves)
+      for i, v in zip(dynamic, values, strict=True):
+        full[i] = v
+      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
+      # Leaves that are not arrays (strings, None...) are returned as they are.
+      out_tree.append((tree, [None if _is_jax_type(o) else o for o in out]))
+      return [o for o in out if _is_jax_type(o)]
+
+    closed = jax.make_jaxpr(flat)(*narrow)
+    ins = [
+      Value(n, g if _is_float(g) and g.dtype == _F32 and n.dtype != _F32 else None)
+      for n, g in zip(narrow, given, strict=True)
+    ]
+    prefix = source_info_util.current_name_stack()
+    outs = Interpreter(config).run(closed.jaxpr, closed.consts, ins, prefix)
+    tree, static = out_tree[0]
+    results = iter(_output(v, output) for v in outs)
+    full = [next(results) if s is None else s for s in static]
+    return jax.tree_util.tree_unflatten(tree, full)
+
+  return wrapped  # type: ignore[return-value]
+
+
+def _output(value: Value, dtype: np.dtype) -> Any:
+  x = value.narrow
+  if not _is_float(x):  # integer, boolean and key outputs (and literals) pass through
+    return x
+  if value.wide is not None and dtype == _F32:
+    return value.wide
+  return x.astype(dtype) if x.dtype != dtype else x
+
+
+def full_precision(fn: F) -> F:
+  """``fn`` run in fp32, its floating outputs returned in the dtype it was given.
+
+  The floating array arguments are cast to fp32 and the floating outputs to the
+  promoted dtype of those arguments (fp32 when there are none). Inside
+  :func:`autocast`, the op table leaves ``fn``'s operations in fp32 (they run
+  under a named scope that marks them).
+
+  Args:
+    fn: the function.
+
+  Returns:
+    A function with ``fn``'s signature.
+  """
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    floats = [x.dtype for x in jax.tree_util.tree_leaves((args, kwargs)) if _is_float(x)]
+    given = jnp.result_type(*floats) if floats else _F32
+    with jax.named_scope(FULL_PRECISION_SCOPE):
+      out = fn(*cast_floating(args, _F32), **cast_floating(kwargs, _F32))
+      return cast_floating(out, given)
+
+  return wrapped  # type: ignore[return-value]
