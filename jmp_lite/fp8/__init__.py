@@ -84,8 +84,14 @@ from jmp_lite._fp8_config import (
 from jmp_lite._policy import Fp8Policy, get_fp8_policy
 from jmp_lite.fp8._current_scaling import CurrentScalingScope, calibrate, current_scaling
 from jmp_lite.fp8._einsum import einsum
-from jmp_lite.fp8._matmul import dot_general
 from jmp_lite.fp8._quantize import compute_amax, dequantize, quantize, quantize_dequantize
+from jmp_lite.fp8._recipes import (
+  CurrentScaling,
+  DelayedScaling,
+  Fp8Recipe,
+  as_recipe,
+  dot_general,
+)
 from jmp_lite.fp8._scaling import (
   Fp8DotAmax,
   Fp8DotState,
@@ -109,6 +115,11 @@ __all__ = (
   "FAST_ACCUMULATION",
   "Fp8Policy",
   "get_fp8_policy",
+  # Recipes: how each tensor is scaled
+  "Fp8Recipe",
+  "CurrentScaling",
+  "DelayedScaling",
+  "as_recipe",
   # The matmuls
   "dot_general",
   "einsum",
