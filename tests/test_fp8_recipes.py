@@ -1,0 +1,198 @@
+"""fp8 recipes: current scaling (the default), delayed scaling's first step, the protocol."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jmp_lite as jl
+from jmp_lite import fp8
+
+E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+MATMUL = (((1,), (0,)), ((), ()))
+TINY = 2.0**-20  # at a scale of 1, output gradients this small are under E5M2's 2^-16
+LOSS_SCALE = 2.0**12  # passed to the ops, as docs/fp8.md says
+
+
+def normal(rng, shape, scale=1.0):
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+
+def mlp_data(seed=0):
+  rng = np.random.default_rng(seed)
+  params = {"w1": normal(rng, (16, 32), 16**-0.5), "w2": normal(rng, (32, 8), 32**-0.5)}
+  return params, normal(rng, (24, 16)), normal(rng, (24, 8))
+
+
+def mlp_loss(params, x, y, matmul):
+  h = jnp.tanh(matmul(x, params["w1"], "l1"))
+  return TINY * jnp.sum((matmul(h, params["w2"], "l2") - y) ** 2)
+
+
+RECIPES = {
+  "default": None,  # CurrentScaling()
+  "current_power_of_2": fp8.CurrentScaling(power_of_2=True),
+  "delayed_fresh": fp8.DelayedScaling(amax_history_length=4),  # no calibrate call
+}
+
+
+@jax.jit
+def fp32_grads(params, x, y):
+  return jax.grad(mlp_loss)(params, x, y, lambda a, b, _: a @ b)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_first_step_with_a_tiny_loss_flushes_no_weight_gradient(name):
+  """Step 0, loss x 2^-20, loss scale passed: only E4M3/E5M2 rounding error, no flush.
+
+  The fp32 reference has no zero gradient; the fp8 gradients have exactly as many (none),
+  and are within 15% of it in norm (rounding: ~5%; a flushed layer would be 100%).
+  """
+  recipe = RECIPES[name]
+  params, x, y = mlp_data()
+  state = None if recipe is None else {"l1": recipe.init_state(), "l2": recipe.init_state()}
+
+  @jax.jit
+  def step(params):
+    def loss(params, amax):
+      def matmul(a, b, layer):
+        s = None if state is None else state[layer]
+        probe = None if amax is None else amax[layer]
+        options = {"loss_scale": LOSS_SCALE} if recipe is None else {"config": recipe}
+        options["loss_scale"] = LOSS_SCALE
+        return fp8.dot_general(a, b, MATMUL, s, probe, **options)
+
+      return LOSS_SCALE * mlp_loss(params, x, y, matmul)
+
+    amax = None if state is None else fp8.zeros_amax(state)
+    grads = jax.grad(loss)(params, amax)
+    return jax.tree.map(lambda g: g / LOSS_SCALE, grads)
+
+  grads, reference = step(params), fp32_grads(params, x, y)
+  for layer in params:
+    got, want = np.asarray(grads[layer]), np.asarray(reference[layer])
+    assert np.mean(got == 0) == np.mean(want == 0) == 0.0, layer
+    assert np.linalg.norm(got - want) <= 0.15 * np.linalg.norm(want), layer
+
+
+def reference_current(x, k, g, dtypes=(E4M3, E4M3, E5M2), power_of_2=False):
+  """Current scaling from public pieces: each tensor by its own amax, in fp32."""
+
+  def scale(t, dtype):
+    s = fp8.compute_scale(fp8.compute_amax(t), 1.0, dtype)
+    return 2.0 ** jnp.ceil(jnp.log2(s)) if power_of_2 else s
+
+  s_x, s_k, s_g = scale(x, dtypes[0]), scale(k, dtypes[1]), scale(g, dtypes[2])
+  q_x, q_k, q_g = fp8.quantize(x, s_x, dtypes[0]), fp8.quantize(k, s_k, dtypes[1]), None
+  q_g = fp8.quantize(g, s_g, dtypes[2])
+  f32 = jnp.float32
+  y = lax.dot_general(q_x, q_k, MATMUL, preferred_element_type=f32) * (s_x * s_k)
+  dx = lax.dot_general(q_g, q_k, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+  dk = lax.dot_general(q_x, q_g, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+  return y, dx * (s_g * s_k), dk * (s_x * s_g), (s_x, s_k, s_g)
+
+
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_current_scaling_quantizes_each_tensor_with_its_own_amax(power_of_2):
+  rng = np.random.default_rng(3)
+  x, k, g = normal(rng, (6, 8), 300.0), normal(rng, (8, 4), 1e-3), normal(rng, (6, 4), 1e-7)
+  recipe = fp8.CurrentScaling(power_of_2=power_of_2)
+  f = lambda x, k: fp8.dot_general(x, k, MATMUL, config=recipe)
+
+  @jax.jit
+  def run(x, k, g):
+    y, vjp = jax.vjp(f, x, k)
+    return y, *vjp(g)
+
+  want_y, want_dx, want_dk, scales = jax.jit(reference_current, static_argnums=(3, 4))(
+    x, k, g, (E4M3, E4M3, E5M2), power_of_2
+  )
+  jax.tree.map(np.testing.assert_array_equal, run(x, k, g), (want_y, want_dx, want_dk))
+  if power_of_2:  # the scales really are powers of two, and the amax still fits
+    for s, t, top in zip(scales, (x, k, g), (448.0, 448.0, 57344.0), strict=True):
+      s = float(s)
+      assert (
+        s == 2.0 ** np.round(np.log2(s)) and np.abs(t).max() / s <= top < 2 * np.abs(t).max() / s
+      )
+
+
+def test_power_of_2_scales_make_representable_values_exact():
+  """0.5 and 3 quantize exactly with power-of-two scales (2^-9, 2^-7): the product is exact;
+  with amax / 448 as the scale, 4.5 comes out as 4.5000005."""
+  x, k = jnp.full((2, 3), 0.5), jnp.full((3, 2), 3.0)
+  exact = fp8.dot_general(x, k, MATMUL, config=fp8.CurrentScaling(power_of_2=True))
+  np.testing.assert_array_equal(exact, np.full((2, 2), 4.5))
+  assert float(fp8.dot_general(x, k, MATMUL)[0, 0]) == float(np.float32(4.5000005))
+
+
+@pytest.mark.parametrize(
+  "loss_scale",
+  [jl.StaticLossScale(jnp.float32(2.0**10)), jl.LayerwiseLossScale([0, 1])],
+  ids=["uniform", "layerwise"],
+)
+def test_current_scaling_takes_any_loss_scale(loss_scale):
+  """A power-of-two factor on the loss changes no fp8 value: gradients scale exactly."""
+  rng = np.random.default_rng(4)
+  x, k, t = normal(rng, (6, 8)), normal(rng, (8, 4)), normal(rng, (6, 4))
+
+  def grads(factor, loss_scale):
+    loss = lambda x, k: factor * jnp.sum(fp8.dot_general(x, k, MATMUL, loss_scale=loss_scale) * t)
+    return jax.grad(loss, (0, 1))(x, k)
+
+  plain = grads(1.0, None)
+  scaled = grads(2.0**10, loss_scale)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a * 2.0**10, b), plain, scaled)
+
+
+def test_delayed_scaling_fresh_step_is_current_scaling_then_delayed():
+  """A fresh delayed state's first step quantizes as CurrentScaling, bit for bit; once
+  update saw the amaxes, the scales are the state's (amax / fp8_max)."""
+  rng = np.random.default_rng(5)
+  x, k, g = normal(rng, (6, 8), 50.0), normal(rng, (8, 4)), normal(rng, (6, 4), 1e-6)
+  recipe = fp8.DelayedScaling(amax_history_length=2)
+  state = recipe.init_state()
+  assert [float(t.scale) for t in state] == [0.0, 0.0, 0.0]
+
+  def run(state, config):
+    f = lambda x, k, amax: fp8.dot_general(x, k, MATMUL, state, amax, config=config)
+    amax = None if state is None else fp8.zeros_amax(state)
+    y, vjp = jax.vjp(f, x, k, amax)
+    return y, vjp(g)
+
+  y, (dx, dk, amax) = run(state, recipe)
+  y_current, (dx_current, dk_current, _) = run(None, fp8.CurrentScaling())
+  jax.tree.map(np.testing.assert_array_equal, (y, dx, dk), (y_current, dx_current, dk_current))
+  state = fp8.update(state, amax, recipe)
+  want = [np.abs(x).max() / 448, np.abs(k).max() / 448, np.abs(g).max() / 57344]
+  np.testing.assert_allclose([float(t.scale) for t in state], want, rtol=1e-6)
+  y2, _ = run(state, recipe)  # the same batch with the state's scales: the same result
+  np.testing.assert_array_equal(y2, y_current)
+
+
+def test_recipes_are_hashable_and_check_their_fields():
+  assert hash(fp8.CurrentScaling()) == hash(fp8.CurrentScaling())
+  assert fp8.as_recipe(None) == fp8.CurrentScaling()
+  delayed = fp8.as_recipe(fp8.Fp8Config(amax_history_length=3))
+  assert type(delayed) is fp8.DelayedScaling and delayed.amax_history_length == 3
+  assert isinstance(fp8.CurrentScaling(), fp8.Fp8Recipe)
+  assert isinstance(delayed, fp8.Fp8Recipe)
+  assert fp8.CurrentScaling("float8_e5m2").fwd_dtype == E5M2
+  with pytest.raises(TypeError, match="power_of_2 must be a bool, got 1"):
+    fp8.CurrentScaling(power_of_2=1)
+  with pytest.raises(ValueError, match="margin must be finite"):
+    fp8.CurrentScaling(margin=-1.0)
+  with pytest.raises(ValueError, match="fwd_dtype"):
+    fp8.CurrentScaling(fwd_dtype=jnp.bfloat16)
+  with pytest.raises(TypeError, match=r"config must be an fp8 recipe.*got 'current'"):
+    fp8.dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)), MATMUL, config="current")
+  state = fp8.init_dot_state()
+  with pytest.raises(ValueError, match="CurrentScaling keeps no state: pass state=None"):
+    fp8.dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)), MATMUL, state, config=fp8.CurrentScaling())
+
+
+def test_a_state_without_a_recipe_is_delayed_scaling():
+  x, k = jnp.full((2, 3), 0.5), jnp.full((3, 2), 3.0)
+  state = fp8.Fp8DotState(*(t._replace(scale=jnp.float32(1)) for t in fp8.init_dot_state()))
+  np.testing.assert_array_equal(fp8.dot_general(x, k, MATMUL, state), np.full((2, 2), 4.5))
+  np.testing.assert_array_equal(fp8.einsum("ij,jk->ik", x, k, state), np.full((2, 2), 4.5))
