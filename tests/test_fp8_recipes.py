@@ -196,3 +196,82 @@ def test_a_state_without_a_recipe_is_delayed_scaling():
   state = fp8.Fp8DotState(*(t._replace(scale=jnp.float32(1)) for t in fp8.init_dot_state()))
   np.testing.assert_array_equal(fp8.dot_general(x, k, MATMUL, state), np.full((2, 2), 4.5))
   np.testing.assert_array_equal(fp8.einsum("ij,jk->ik", x, k, state), np.full((2, 2), 4.5))
+
+
+# Row-wise scaling ------------------------------------------------------------------------
+
+from jmp_lite.fp8._rowwise import row_scales  # noqa: E402
+
+
+def quantization_error(v, scale, dtype):
+  """Per-element bound on |dequantize(quantize(v)) - v| (no saturation)."""
+  fmt = jl.FORMATS[np.dtype(dtype).name]
+  return fmt.epsilon / 2 * np.abs(v) + fmt.min_subnormal / 2 * scale
+
+
+def np_row_scales(x, dtype):
+  """2^ceil(log2(amax / fp8_max)) per row (the last axis), 1 for an all-zero row."""
+  amax = np.abs(np.asarray(x, np.float64)).max(axis=-1, keepdims=True)
+  top = jl.FORMATS[np.dtype(dtype).name].max
+  with np.errstate(divide="ignore"):
+    return np.where(amax > 0, 2.0 ** np.ceil(np.log2(amax / top)), 1.0)
+
+
+def test_row_scales_are_powers_of_two_rounded_up_per_row():
+  x = jnp.array(
+    [[448.0, -3.0], [1.0, 0.5], [0.0, 0.0], [-3e-3, 1e-3], [449.0, 0.0], [1.0, jnp.inf]]
+  )
+  got = np.asarray(row_scales(x, E4M3))[:, 0]
+  # 448 fits at 1; 1/448 rounds up to 2^-8; zeros and inf rows keep 1; 449 needs 2.
+  np.testing.assert_array_equal(got, [1.0, 2.0**-8, 1.0, 2.0**-17, 2.0, 1.0])
+  np.testing.assert_array_equal(got[:5], np_row_scales(x[:5], E4M3)[:, 0])
+  assert float(row_scales(jnp.array([[57344.0]]), E5M2)[0, 0]) == 1.0
+
+
+def test_rowwise_is_exact_where_a_per_tensor_scale_loses_the_small_rows():
+  """Rows of small integers times very different powers of two: one scale per row keeps each
+  exact (x's rows and w's columns), so the product is exact; one scale per tensor flushes the
+  small rows (2^-20 below the outlier row)."""
+  rng = np.random.default_rng(6)
+  ints = lambda shape: rng.integers(-8, 9, shape).astype(np.float32)
+  x = ints((4, 16)) * (2.0 ** np.array([12, 0, -8, -20], np.float32))[:, None]
+  w = ints((16, 3)) * (2.0 ** np.array([0, -6, 9], np.float32))[None, :]
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  rowwise = fp8.dot_general(x, w, MATMUL, config=fp8.RowwiseScaling())
+  np.testing.assert_array_equal(rowwise, want)
+  per_tensor = np.asarray(fp8.dot_general(x, w, MATMUL, config=fp8.CurrentScaling()))
+  assert np.all(per_tensor[3] == 0) and np.any(want[3] != 0)
+
+
+@pytest.mark.parametrize("weight_grad", ["fp8", "compute_dtype"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rowwise_matmul_and_gradients_within_format_bounds(weight_grad, seed):
+  """Against float64: each output and gradient element within the bound of E4M3 rounding of
+  both operands of its product, with the per-row scales; the weight gradient in the compute
+  dtype (fp32 here) is the fp32 product."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((8, 32)) * np.exp(rng.uniform(-6, 6, (8, 1)))  # rows of every range
+  w = rng.standard_normal((32, 6)) * 0.1
+  g = rng.standard_normal((8, 6)) * np.exp(rng.uniform(-12, 0, (8, 1))) * 1e-5
+  recipe = fp8.RowwiseScaling(weight_grad=weight_grad)
+
+  @jax.jit
+  def run(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
+    return y, *vjp(g)
+
+  y, dx, dw = (np.asarray(v, np.float64) for v in run(*(jnp.float32(v) for v in (x, w, g))))
+  x, w, g = (np.asarray(np.float32(v), np.float64) for v in (x, w, g))
+
+  def bound(a, b):  # a [M, K] @ b [K, N], a's rows and b's columns scaled
+    ea = quantization_error(a, np_row_scales(a, E4M3), E4M3)
+    eb = quantization_error(b, np_row_scales(b.T, E4M3).T, E4M3)
+    return ea @ (np.abs(b) + eb) + np.abs(a) @ eb
+
+  for got, a, b in ((y, x, w), (dx, g, w.T)) + (((dw, x.T, g),) if weight_grad == "fp8" else ()):
+    want = a @ b
+    assert np.all(np.abs(got - want) <= bound(a, b) + 1e-6 * np.abs(want).max())
+    assert np.linalg.norm(got - want) <= 0.1 * np.linalg.norm(want)
+  if weight_grad == "compute_dtype":
+    np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5, atol=1e-6 * np.abs(x.T @ g).max())

@@ -93,6 +93,7 @@ from jmp_lite.fp8._recipes import (
   CurrentScaling,
   DelayedScaling,
   Fp8Recipe,
+  RowwiseScaling,
   as_recipe,
   dot_general,
 )
@@ -123,6 +124,7 @@ __all__ = (
   "Fp8Recipe",
   "CurrentScaling",
   "DelayedScaling",
+  "RowwiseScaling",
   "as_recipe",
   # The matmuls
   "dot_general",

@@ -23,6 +23,7 @@ from jmp_lite._fp8_config import (
   check_margin,
 )
 from jmp_lite.fp8._matmul import DotCall, check_call, per_tensor_dot
+from jmp_lite.fp8._rowwise import RowwiseSpec, canonical_dot, rowwise_matmul
 from jmp_lite.fp8._scaling import Fp8DotAmax, Fp8DotState, init_dot_state
 
 
@@ -169,6 +170,78 @@ class DelayedScaling(Fp8Config):
       The product.
     """
     return per_tensor_dot(call, state, amax, self, current=False)
+
+
+WEIGHT_GRADS = ("fp8", "compute_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling:
+  r"""Row-wise scaling: one power-of-two scale per row of each operand along its contraction.
+
+  .. math:: s_x[m] = 2^{\lceil \log_2(\max_k |x_{mk}| / \text{fp8\_max}) \rceil}, \qquad
+    y_{mn} = \Big(\sum_k q(x)_{mk}\, q(w)_{kn}\Big)_{\text{fp32}} s_x[m]\, s_w[n]
+
+  (torchao's ``ROWWISE``). A row's outlier only costs that row precision. The backward pass
+  quantizes again along each product's own contraction (the output axis for the input
+  gradient, the tokens for the weight gradient), from the high-precision operands, which are
+  the residuals. Scales come from the tensors themselves: no state, and any loss scale.
+
+  Attributes:
+    fwd_dtype: format of the input and kernel (default ``float8_e4m3fn``).
+    bwd_dtype: format of the output gradient (default ``float8_e4m3fn``, as torchao).
+    weight_grad: ``"fp8"`` (default), or ``"compute_dtype"``: the weight gradient
+      :math:`x^\top g` in the operands' dtype, summed in fp32 (torchao's
+      ``ROWWISE_WITH_GW_HP``).
+    fast_accumulation: as in :class:`Fp8Config`.
+  """
+
+  fwd_dtype: Any = E4M3
+  bwd_dtype: Any = E4M3
+  weight_grad: str = "fp8"
+  fast_accumulation: str = "none"
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    set_("fwd_dtype", as_fp8_dtype(self.fwd_dtype, "fwd_dtype"))
+    set_("bwd_dtype", as_fp8_dtype(self.bwd_dtype, "bwd_dtype"))
+    set_("weight_grad", _validation.check_choice(self.weight_grad, "weight_grad", WEIGHT_GRADS))
+    set_(
+      "fast_accumulation",
+      _validation.check_choice(self.fast_accumulation, "fast_accumulation", FAST_ACCUMULATION),
+    )
+
+  def init_state(self) -> None:
+    """Row-wise scaling keeps no state.
+
+    Returns:
+      ``None``.
+    """
+    return None
+
+  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
+    """The row-wise matmul of a call.
+
+    Args:
+      call: the checked call.
+      state: must be ``None``.
+      amax: must be ``None``.
+
+    Returns:
+      The product.
+    """
+    _refuse_state(self, state, amax)
+    fast = self.fast_accumulation != "none"
+    spec = RowwiseSpec(
+      self.fwd_dtype,
+      self.bwd_dtype,
+      self.weight_grad == "fp8",
+      call.out_dtype,
+      call.lhs.dtype,
+      call.rhs.dtype,
+      jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST,
+    )
+    return canonical_dot(call, lambda a, b: rowwise_matmul(a, b, spec))
 
 
 def as_recipe(recipe: Any) -> Any:

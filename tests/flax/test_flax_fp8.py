@@ -718,20 +718,26 @@ def unrolled_reference(params, x, recipe):
 
 @pytest.mark.parametrize(
   "recipe",
-  [None, fp8.CurrentScaling(power_of_2=True), fp8.DelayedScaling(amax_history_length=4)],
-  ids=["default", "current_power_of_2", "delayed"],
+  [
+    None,
+    fp8.CurrentScaling(power_of_2=True),
+    fp8.DelayedScaling(amax_history_length=4),
+    fp8.RowwiseScaling(),
+    fp8.RowwiseScaling(weight_grad="compute_dtype"),
+  ],
+  ids=["default", "current_power_of_2", "delayed", "rowwise", "rowwise_gw_hp"],
 )
 def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
-  """Under nn.scan + nn.remat, each recipe's first step equals current scaling layer by layer
-  (for delayed: a fresh state, bit for bit); stateless recipes create no fp8 collection, and
-  delayed scaling's stacked state round-trips through orbax."""
+  """Under nn.scan + nn.remat, each recipe's first step equals the functional matmul layer by
+  layer, bit for bit (delayed: a fresh state, as current scaling); stateless recipes create no
+  fp8 collection, and delayed scaling's stacked state round-trips through orbax."""
   x = inputs(7, (16, 4)) * 0.5  # tanh stays off its flat tails: the reference has no zero gradient
   variables = linen_init(RematScanStack(), x, recipe)
   params = variables["params"]
   stateful = isinstance(recipe, fp8.DelayedScaling)
   assert (flax_fp8.STATE_COLLECTION in variables) == stateful
   state = variables.get(flax_fp8.STATE_COLLECTION)
-  current = recipe if isinstance(recipe, fp8.CurrentScaling) else fp8.CurrentScaling()
+  current = fp8.CurrentScaling() if recipe is None or stateful else recipe
 
   @jax.jit
   def grads(params, state):
@@ -765,12 +771,13 @@ def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
     np.testing.assert_allclose(dot.input.scale[0], np.abs(x).max() / 448, rtol=1e-6)
 
 
-def test_nnx_default_recipe_keeps_no_state_and_first_step_flushes_nothing():
-  """nnx_fp8 without a recipe: current scaling, no fp8 variables; with a loss x 2^-20 and the
-  loss scale passed, the gradients equal the functional fp8 matmul's and none is zero."""
+@pytest.mark.parametrize("recipe", [None, fp8.RowwiseScaling()], ids=["default", "rowwise"])
+def test_nnx_stateless_recipes_keep_no_state_and_first_step_flushes_nothing(recipe):
+  """nnx_fp8 without a recipe (current scaling) or row-wise: no fp8 variables; with a loss x
+  2^-20 and the loss scale passed, the gradients equal linen's and none is zero."""
   x, targets = first_step_data()
   params = layers_variables()["params"]
-  model = nnx.eval_shape(lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0))))
+  model = nnx.eval_shape(lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), recipe))
   graphdef, state = nnx.split(model)
   assert not nnx.to_pure_dict(nnx.split_state(state, flax_fp8.Fp8State, ...)[0])
   pure = nnx.to_pure_dict(state)
@@ -790,7 +797,7 @@ def test_nnx_default_recipe_keeps_no_state_and_first_step_flushes_nothing():
   @jax.jit
   def linen_grads(params):
     def loss(params):
-      with flax_fp8.linen_fp8():
+      with flax_fp8.linen_fp8(recipe):
         return first_step_loss(Layers().apply({"params": params}, x), targets)
 
     return jax.grad(loss)(params)
