@@ -275,3 +275,106 @@ def test_rowwise_matmul_and_gradients_within_format_bounds(weight_grad, seed):
     assert np.linalg.norm(got - want) <= 0.1 * np.linalg.norm(want)
   if weight_grad == "compute_dtype":
     np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5, atol=1e-6 * np.abs(x.T @ g).max())
+
+
+# Block scaling (DeepSeek-V3) -------------------------------------------------------------
+
+from jmp_lite.fp8._block import tile_scales  # noqa: E402
+
+
+def np_tile_scale(x, rows, cols=128):
+  """Per-element fp32 scale of a 2-D array in rows x cols tiles (amax / 448; 1 if zero)."""
+  m, k = x.shape
+  pm, pk = -m % rows, -k % cols
+  padded = np.pad(np.abs(np.asarray(x, np.float32)), ((0, pm), (0, pk)))
+  tiles = padded.reshape((m + pm) // rows, rows, (k + pk) // cols, cols).max(axis=(1, 3))
+  scale = np.where(tiles > 0, tiles / np.float32(448), np.float32(1)).astype(np.float32)
+  return np.repeat(np.repeat(scale, rows, 0), cols, 1)[:m, :k]
+
+
+def np_block_matmul(a, b, a_rows, b_rows):
+  """a [M, K] @ b [K, N] as the recipe computes it, in float64: per-tile E4M3 values, exact
+  fp8 products summed per 128-chunk of K, each chunk scaled, the chunks summed."""
+  s_a, s_b = np_tile_scale(a, a_rows), np_tile_scale(b.T, b_rows).T
+  q = lambda v, s: (np.asarray(v, np.float32) / s).astype(E4M3).astype(np.float64)
+  q_a, q_b = q(a, s_a), q(b, s_b)
+  out = 0.0
+  for c in range(0, a.shape[1], 128):
+    chunk = q_a[:, c : c + 128] @ q_b[c : c + 128]  # exact in float64
+    out = out + chunk * s_a[:, c : c + 1] * s_b[c : c + 1, :]
+  return out
+
+
+def test_block_tiles_are_1x128_for_activations_and_128x128_for_weights():
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((1, 256, 256)) * np.exp(rng.uniform(-8, 8, (1, 256, 1))))
+  x = x.astype(jnp.float32)
+  tiles, blocks = tile_scales(x, 1, E4M3), tile_scales(x, 128, E4M3)
+  assert tiles.shape == (1, 256, 2) and blocks.shape == (1, 2, 2)
+  # amax / 448 in fp32 (XLA may divide by multiplying with 1/448: one ulp).
+  ulp = {"rtol": 2.0**-22}
+  np.testing.assert_allclose(np.repeat(tiles[0], 128, 1), np_tile_scale(x[0], 1), **ulp)
+  np.testing.assert_allclose(
+    np.repeat(np.repeat(blocks[0], 128, 0), 128, 1), np_tile_scale(x[0], 128), **ulp
+  )
+  want = np.abs(np.asarray(x[0, 128:, :128])).max() / np.float32(448)
+  np.testing.assert_allclose(float(blocks[0, 1, 0]), want, **ulp)
+  zeros = tile_scales(jnp.zeros((1, 1, 128)), 1, E4M3)
+  assert float(zeros[0, 0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("k", [128, 200, 384])
+def test_block_matmul_is_the_chunked_fp32_sum_of_its_tiles(k):
+  """The matmul (and both gradients) against a float64 emulation of the recipe: tiles of
+  1 x 128 (x, g) and 128 x 128 (w), E4M3 everywhere, fp8 sums per 128-chunk of K promoted to
+  fp32; K = 200 is padded. Agreement to fp32 rounding of the chunk sums."""
+  rng = np.random.default_rng(k)
+  m, n = 6, 130  # N over one block: two weight blocks along N
+  # Chunks of K with very different ranges: a per-row scale would flush the small chunk.
+  x = rng.standard_normal((m, k)) * np.where(np.arange(k) < 128, 2.0**8, 2.0**-8)
+  w, g = rng.standard_normal((k, n)), rng.standard_normal((m, n)) * 1e-3
+  x, w, g = (np.asarray(v, np.float32) for v in (x, w, g))
+  recipe = fp8.BlockScaling()
+
+  @jax.jit
+  def run(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
+    return y, *vjp(g)
+
+  y, dx, dw = (np.asarray(v, np.float64) for v in run(x, w, g))
+  for got, want in (
+    (y, np_block_matmul(x, w, 1, 128)),
+    (dx, np_block_matmul(g, w.T, 1, 128)),  # the weight's blocks, transposed
+    (dw, np_block_matmul(x.T, g, 1, 1)),  # x^T and g in tiles along the tokens
+  ):
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+  exact = x.astype(np.float64) @ w
+  assert np.linalg.norm(y - exact) <= 0.1 * np.linalg.norm(exact)
+
+
+def test_block_scales_each_chunk_of_k_where_a_row_scale_flushes():
+  """A row 2^22 larger in its first 128 elements of K than after: with the first chunk's
+  kernel rows zero, the product is the small chunk's alone; its own 1 x 128 tiles keep it
+  (fp8 rounding), one scale per row flushes it to zero."""
+  rng = np.random.default_rng(9)
+  x = rng.standard_normal((4, 256)) * np.where(np.arange(256) < 128, 2.0**10, 2.0**-12)
+  w = rng.standard_normal((256, 8)) * (np.arange(256) >= 128)[:, None]
+  x, w = np.float32(x), np.float32(w)
+  exact = x.astype(np.float64) @ w
+  block = np.asarray(fp8.dot_general(x, w, MATMUL, config=fp8.BlockScaling()), np.float64)
+  rowwise = np.asarray(fp8.dot_general(x, w, MATMUL, config=fp8.RowwiseScaling()))
+  assert np.linalg.norm(block - exact) <= 0.1 * np.linalg.norm(exact)
+  assert np.all(rowwise == 0)
+
+
+def test_block_weight_gradient_uses_tiles_along_the_tokens():
+  """dW = x^T g: x and g quantized in 1 x 128 tiles of x^T and g^T (128 tokens each)."""
+  rng = np.random.default_rng(8)
+  x = np.asarray(rng.standard_normal((256, 16)), np.float32)
+  x[128:] *= 2.0**-12  # the second 128 tokens are small: their own tiles keep them
+  g = np.asarray(rng.standard_normal((256, 4)), np.float32)
+  dw = jax.grad(lambda w: jnp.sum(fp8.dot_general(x, w, MATMUL, config=fp8.BlockScaling()) * g))(
+    jnp.zeros((16, 4))
+  )
+  want = np_block_matmul(x.T, g, 1, 1)
+  np.testing.assert_allclose(np.asarray(dw, np.float64), want, rtol=2e-6, atol=1e-9)

@@ -90,6 +90,7 @@ from jmp_lite.fp8._current_scaling import CurrentScalingScope, calibrate, curren
 from jmp_lite.fp8._einsum import einsum
 from jmp_lite.fp8._quantize import compute_amax, dequantize, quantize, quantize_dequantize
 from jmp_lite.fp8._recipes import (
+  BlockScaling,
   CurrentScaling,
   DelayedScaling,
   Fp8Recipe,
@@ -125,6 +126,7 @@ __all__ = (
   "CurrentScaling",
   "DelayedScaling",
   "RowwiseScaling",
+  "BlockScaling",
   "as_recipe",
   # The matmuls
   "dot_general",

@@ -22,6 +22,7 @@ from jmp_lite._fp8_config import (
   as_fp8_dtype,
   check_margin,
 )
+from jmp_lite.fp8._block import TILE, BlockSpec, block_matmul
 from jmp_lite.fp8._matmul import DotCall, check_call, per_tensor_dot
 from jmp_lite.fp8._rowwise import RowwiseSpec, canonical_dot, rowwise_matmul
 from jmp_lite.fp8._scaling import Fp8DotAmax, Fp8DotState, init_dot_state
@@ -242,6 +243,57 @@ class RowwiseScaling:
       jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST,
     )
     return canonical_dot(call, lambda a, b: rowwise_matmul(a, b, spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+  r"""Block scaling as DeepSeek-V3 trains: fp32 scales per tile, fp32 sums every 128 of K.
+
+  The input and the output gradient get one scale per 1 x 128 tile (one row, 128 elements of
+  the contraction), the kernel one per 128 x 128 block; each scale is its tile's amax over
+  E4M3's largest value, in fp32, and every tensor is E4M3. The matmul sums each 128-element
+  chunk of K in fp8 with an fp32 result and adds the chunks, scaled, in fp32:
+
+  .. math:: y_{mn} = \sum_c \Big(\sum_{k \in c} q(x)_{mk}\, q(w)_{kn}\Big)_{\text{fp32}}
+    s_x[m, c]\; s_w[c, \lfloor n/128 \rfloor]
+
+  The input gradient reuses the kernel's blocks (transposed); the weight gradient quantizes
+  the input and the output gradient in tiles along the tokens. K, M and N that are not
+  multiples of 128 are padded with zeros. No state; any loss scale.
+
+  Attributes:
+    dtype: the format of every tensor (default ``float8_e4m3fn``).
+  """
+
+  dtype: Any = E4M3
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", as_fp8_dtype(self.dtype, "dtype"))
+
+  def init_state(self) -> None:
+    """Block scaling keeps no state.
+
+    Returns:
+      ``None``.
+    """
+    return None
+
+  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
+    """The block-scaled matmul of a call.
+
+    Args:
+      call: the checked call.
+      state: must be ``None``.
+      amax: must be ``None``.
+
+    Returns:
+      The product.
+    """
+    _refuse_state(self, state, amax)
+    spec = BlockSpec(
+      self.dtype, TILE, call.out_dtype, call.lhs.dtype, call.rhs.dtype, jax.lax.Precision.HIGHEST
+    )
+    return canonical_dot(call, lambda a, b: block_matmul(a, b, spec))
 
 
 def as_recipe(recipe: Any) -> Any:

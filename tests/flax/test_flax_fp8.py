@@ -724,8 +724,9 @@ def unrolled_reference(params, x, recipe):
     fp8.DelayedScaling(amax_history_length=4),
     fp8.RowwiseScaling(),
     fp8.RowwiseScaling(weight_grad="compute_dtype"),
+    fp8.BlockScaling(),
   ],
-  ids=["default", "current_power_of_2", "delayed", "rowwise", "rowwise_gw_hp"],
+  ids=["default", "current_power_of_2", "delayed", "rowwise", "rowwise_gw_hp", "block"],
 )
 def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
   """Under nn.scan + nn.remat, each recipe's first step equals the functional matmul layer by
