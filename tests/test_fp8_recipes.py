@@ -378,3 +378,85 @@ def test_block_weight_gradient_uses_tiles_along_the_tokens():
   )
   want = np_block_matmul(x.T, g, 1, 1)
   np.testing.assert_allclose(np.asarray(dw, np.float64), want, rtol=2e-6, atol=1e-9)
+
+
+# MXFP8 ---------------------------------------------------------------------------------
+
+from jmp_lite.fp8._mx import e8m0_scales  # noqa: E402
+
+
+def test_e8m0_scales_round_up_per_32_elements():
+  """One power of two per 32 elements, rounded up so the block's amax fits: 448 -> 1,
+  449 -> 2 (rounding down, as the OCP conversion does, would saturate 449), 1 -> 2^-8,
+  an all-zero block -> 1, tiny -> clamped at 2^-126."""
+  amaxes = [448.0, 449.0, 1.0, 0.0, 2.0**-120, 57344.0]
+  x = np.zeros((len(amaxes), 64), np.float32)
+  x[:, 5] = amaxes  # first block of each row
+  x[:, 40] = 3.0  # second block: 3 -> 2^-7 (3/448 = 0.0067 <= 2^-7)
+  got = np.asarray(e8m0_scales(jnp.asarray(x), E4M3))
+  assert got.shape == (6, 2)
+  np.testing.assert_array_equal(got[:, 0], [1.0, 2.0, 2.0**-8, 1.0, 2.0**-126, 128.0])
+  np.testing.assert_array_equal(got[:, 1], [2.0**-7] * 6)
+
+
+def np_mx_matmul(a, b):
+  """a [M, K] @ b [K, N] through MXFP8 (blocks of 32 along K), in float64."""
+
+  def qdq(v):  # blocks along the last axis
+    v = np.asarray(v, np.float32)
+    k = v.shape[-1]
+    v = np.pad(v, ((0, 0), (0, -k % 32)))
+    blocks = np.abs(v).reshape(v.shape[0], -1, 32).max(-1)
+    with np.errstate(divide="ignore"):
+      scale = np.where(blocks > 0, 2.0 ** np.ceil(np.log2(blocks / 448.0)), 1.0)
+    scale = np.repeat(scale.astype(np.float32), 32, axis=1)
+    return ((v / scale).astype(E4M3).astype(np.float64) * scale)[:, :k]
+
+  return qdq(a) @ qdq(b.T).T
+
+
+@pytest.mark.parametrize("k", [64, 70])
+def test_mxfp8_emulated_matmul_and_gradients_match_the_format(k):
+  """The emulated path (quantize in 32-element blocks, dequantize, fp32 matmul) against a
+  float64 emulation, for the output and both gradients (each blocked along its own
+  contraction; K = 70 is padded); and within 10% of float64 in norm."""
+  rng = np.random.default_rng(k)
+  x = np.float32(rng.standard_normal((6, k)) * np.exp(rng.uniform(-5, 5, (1, k))))
+  w = np.float32(rng.standard_normal((k, 40)))
+  g = np.float32(rng.standard_normal((6, 40)) * 1e-4)
+
+  @jax.jit
+  def run(x, w, g):
+    f = lambda x, w: fp8.dot_general(x, w, MATMUL, config=fp8.Mxfp8Scaling())
+    y, vjp = jax.vjp(f, x, w)
+    return y, *vjp(g)
+
+  y, dx, dw = (np.asarray(v, np.float64) for v in run(x, w, g))
+  for got, want, exact in (
+    (y, np_mx_matmul(x, w), x.astype(np.float64) @ w),
+    (dx, np_mx_matmul(g, w.T), g.astype(np.float64) @ w.T),
+    (dw, np_mx_matmul(x.T, g), x.T.astype(np.float64) @ g),
+  ):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert np.linalg.norm(got - exact) <= 0.1 * np.linalg.norm(exact)
+
+
+def test_mxfp8_native_path_reports_whether_this_jax_compiles_it():
+  """jax.nn.scaled_dot_general: used where it compiles, and a clear error where it does not
+  (JAX 0.10.2 on CPU: no lowering of 'scaled_matmul'); never a silent fallback."""
+  supported, reason = fp8.mxfp8_native_support()
+  assert reason.startswith(f"jax {jax.__version__} ")
+  assert jax.default_backend() in reason
+  x, w = jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)
+  native = fp8.Mxfp8Scaling(implementation="scaled_dot_general")
+  if supported:
+    y = fp8.dot_general(x, w, MATMUL, config=native, preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(y, np.full((4, 32), 64.0))
+  else:
+    assert "does not compile it" in reason
+    with pytest.raises(NotImplementedError, match="implementation='emulated'"):
+      fp8.dot_general(x, w, MATMUL, config=native)
+  if jax.default_backend() == "cpu" and jax.__version__ == "0.10.2":
+    assert not supported and "scaled_matmul" in reason
+  with pytest.raises(ValueError, match="implementation"):
+    fp8.Mxfp8Scaling(implementation="cudnn")

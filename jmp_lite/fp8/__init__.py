@@ -88,12 +88,14 @@ from jmp_lite._fp8_config import (
 from jmp_lite._policy import Fp8Policy, get_fp8_policy
 from jmp_lite.fp8._current_scaling import CurrentScalingScope, calibrate, current_scaling
 from jmp_lite.fp8._einsum import einsum
+from jmp_lite.fp8._mx import native_support as mxfp8_native_support
 from jmp_lite.fp8._quantize import compute_amax, dequantize, quantize, quantize_dequantize
 from jmp_lite.fp8._recipes import (
   BlockScaling,
   CurrentScaling,
   DelayedScaling,
   Fp8Recipe,
+  Mxfp8Scaling,
   RowwiseScaling,
   as_recipe,
   dot_general,
@@ -127,6 +129,8 @@ __all__ = (
   "DelayedScaling",
   "RowwiseScaling",
   "BlockScaling",
+  "Mxfp8Scaling",
+  "mxfp8_native_support",
   "as_recipe",
   # The matmuls
   "dot_general",

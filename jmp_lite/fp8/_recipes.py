@@ -24,6 +24,7 @@ from jmp_lite._fp8_config import (
 )
 from jmp_lite.fp8._block import TILE, BlockSpec, block_matmul
 from jmp_lite.fp8._matmul import DotCall, check_call, per_tensor_dot
+from jmp_lite.fp8._mx import MxSpec, mx_matmul, native_matmul
 from jmp_lite.fp8._rowwise import RowwiseSpec, canonical_dot, rowwise_matmul
 from jmp_lite.fp8._scaling import Fp8DotAmax, Fp8DotState, init_dot_state
 
@@ -294,6 +295,69 @@ class BlockScaling:
       self.dtype, TILE, call.out_dtype, call.lhs.dtype, call.rhs.dtype, jax.lax.Precision.HIGHEST
     )
     return canonical_dot(call, lambda a, b: block_matmul(a, b, spec))
+
+
+MX_IMPLEMENTATIONS = ("emulated", "scaled_dot_general")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp8Scaling:
+  r"""MXFP8: one E8M0 (power-of-two) scale per 32 elements of each operand's contraction.
+
+  .. math:: s = 2^{\lceil \log_2(\max_{\text{block}} |x| / \text{fp8\_max}) \rceil}
+
+  rounded up, so a block's amax always fits (arXiv 2506.08027 found rounding up necessary;
+  the OCP spec's conversion rounds down). Every product, the two gradients included, blocks
+  its operands along its own contraction, from the high-precision operands (the residuals).
+  No state; any loss scale.
+
+  Attributes:
+    fwd_dtype: format of the input and kernel (default ``float8_e4m3fn``).
+    bwd_dtype: format of the output gradient (default ``float8_e4m3fn``).
+    implementation: ``"emulated"`` (default: quantize, dequantize, an fp32 matmul; the same
+      numerics everywhere) or ``"scaled_dot_general"`` (``jax.nn.scaled_dot_general``, where
+      the installed JAX compiles MXFP8: see :func:`mxfp8_native_support`; a
+      ``NotImplementedError`` saying why otherwise). The native path uses JAX's own
+      quantization and formats.
+  """
+
+  fwd_dtype: Any = E4M3
+  bwd_dtype: Any = E4M3
+  implementation: str = "emulated"
+
+  def __post_init__(self):
+    set_ = functools.partial(object.__setattr__, self)
+    set_("fwd_dtype", as_fp8_dtype(self.fwd_dtype, "fwd_dtype"))
+    set_("bwd_dtype", as_fp8_dtype(self.bwd_dtype, "bwd_dtype"))
+    set_(
+      "implementation",
+      _validation.check_choice(self.implementation, "implementation", MX_IMPLEMENTATIONS),
+    )
+
+  def init_state(self) -> None:
+    """MXFP8 keeps no state.
+
+    Returns:
+      ``None``.
+    """
+    return None
+
+  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
+    """The MXFP8 matmul of a call.
+
+    Args:
+      call: the checked call.
+      state: must be ``None``.
+      amax: must be ``None``.
+
+    Returns:
+      The product.
+    """
+    _refuse_state(self, state, amax)
+    if self.implementation == "scaled_dot_general":
+      return canonical_dot(call, lambda a, b: native_matmul(a, b, call.out_dtype))
+    spec = MxSpec(self.fwd_dtype, self.bwd_dtype, call.out_dtype, call.lhs.dtype, call.rhs.dtype)
+    return canonical_dot(call, lambda a, b: mx_matmul(a, b, spec))
 
 
 def as_recipe(recipe: Any) -> Any:

@@ -725,8 +725,9 @@ def unrolled_reference(params, x, recipe):
     fp8.RowwiseScaling(),
     fp8.RowwiseScaling(weight_grad="compute_dtype"),
     fp8.BlockScaling(),
+    fp8.Mxfp8Scaling(),
   ],
-  ids=["default", "current_power_of_2", "delayed", "rowwise", "rowwise_gw_hp", "block"],
+  ids=["default", "current_power_of_2", "delayed", "rowwise", "rowwise_gw_hp", "block", "mxfp8"],
 )
 def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
   """Under nn.scan + nn.remat, each recipe's first step equals the functional matmul layer by
