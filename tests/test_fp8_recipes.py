@@ -461,3 +461,40 @@ def test_mxfp8_native_path_reports_whether_this_jax_compiles_it():
     assert not supported and "scaled_matmul" in reason
   with pytest.raises(ValueError, match="implementation"):
     fp8.Mxfp8Scaling(implementation="cudnn")
+
+
+# Sharding ----------------------------------------------------------------------------------
+
+STATELESS = {
+  "current": fp8.CurrentScaling(),
+  "rowwise": fp8.RowwiseScaling(),
+  "block": fp8.BlockScaling(),
+  "mxfp8": fp8.Mxfp8Scaling(),
+}
+
+
+@pytest.mark.parametrize("name", STATELESS)
+def test_stateless_recipes_under_fsdp_style_sharded_jit(name):
+  """Tokens sharded over 8 devices and the kernel sharded along its input axis (FSDP's
+  layout), on a mesh of automatic (GSPMD) axes: the sharded program computes what one device
+  does (sums may be reordered). On explicit axes the canonical reshapes are refused by JAX
+  (a ShardingTypeError), which docs/fp8.md lists as not done."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+  recipe = STATELESS[name]
+  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices(), axis_types=(AxisType.Auto,))
+  rng = np.random.default_rng(10)
+  x, w, g = normal(rng, (16, 256)), normal(rng, (256, 8)), normal(rng, (16, 8))
+
+  @jax.jit
+  def run(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
+    return y, *vjp(g)
+
+  want = run(x, w, g)
+  shard = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+  data = PartitionSpec("data", None)  # tokens of x and g, the input axis of w
+  got = run(shard(x, data), shard(w, data), shard(g, data))
+  assert got[0].sharding.num_devices == 8
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
