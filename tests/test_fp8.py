@@ -38,6 +38,12 @@ def nearest(x, grid):
   return np.where(np.abs(x - grid[lo]) <= np.abs(grid[hi] - x), grid[lo], grid[hi])
 
 
+def unit_state(config=None):
+  """A delayed-scaling state with every scale set to 1 (exact on small integers)."""
+  state = fp8.init_dot_state(config or fp8.Fp8Config(amax_history_length=2))
+  return fp8.Fp8DotState(*(t._replace(scale=jnp.ones((), jnp.float32)) for t in state))
+
+
 # Configuration -------------------------------------------------------------------------
 
 
@@ -85,7 +91,7 @@ def test_init_state():
   state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=5))
   for tensor in state:
     assert tensor.scale.shape == () and tensor.scale.dtype == jnp.float32
-    assert float(tensor.scale) == 1.0
+    assert float(tensor.scale) == 0.0  # none yet: the first step quantizes with its own amax
     np.testing.assert_array_equal(tensor.amax_history, np.zeros(5, np.float32))
   with pytest.raises(ValueError, match="got 0"):
     fp8.init_scale_state(0)
@@ -287,7 +293,7 @@ def small_integers(shape, seed, high):
 def test_dot_general_is_exact_on_representable_values(lhs_shape, rhs_shape, dims):
   """With exactly representable data the fp8 matmul and its VJP equal fp32's bit for bit."""
   x, k = small_integers(lhs_shape, 0, 4), small_integers(rhs_shape, 1, 4)
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   g = small_integers(jax.eval_shape(lambda: lax.dot_general(x, k, dims)).shape, 2, 4)
   got = value_and_vjp(lambda x, k: fp8.dot_general(x, k, dims, state), x, k, g)
   want = value_and_vjp(lambda x, k: lax.dot_general(x, k, dims), x, k, g)
@@ -351,7 +357,7 @@ def test_dot_general_error_within_format_bounds(recipe):
 def test_dot_general_observes_amax_through_the_probe():
   x = jnp.array([[1.0, -7.0], [2.0, 3.0]])
   k = jnp.array([[0.5], [-0.25]])
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
 
   def loss(x, k, amax):
     return jnp.sum(fp8.dot_general(x, k, MATMUL, state, amax) * jnp.array([[3.0], [-5.0]]))
@@ -367,7 +373,7 @@ def test_dot_general_observes_amax_through_the_probe():
 
 
 def test_dot_general_dtypes_and_fp32_accumulation():
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   x = jnp.ones((2, 4096), jnp.bfloat16)
   k = jnp.full((4096, 1), 2.0**-8, jnp.bfloat16)
 
@@ -471,7 +477,7 @@ def test_matmuls_are_in_the_form_xla_gpu_fuses_into_fp8_gemms(fast, forward, bac
 
 
 def test_dot_general_rejects_bad_arguments():
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   x = jnp.ones((2, 3))
   with pytest.raises(TypeError, match="floating-point array, got dtype int32"):
     fp8.dot_general(jnp.ones((2, 3), jnp.int32), x.T, MATMUL, state)
@@ -485,7 +491,7 @@ def test_dot_general_rejects_bad_arguments():
     fp8.dot_general(x, x.T, (((1,), (2,)), ((), ())), state)
   with pytest.raises(ValueError, match="dimension_numbers must be"):
     fp8.dot_general(x, x.T, ((1, 0),), state)
-  with pytest.raises(TypeError, match="config must be an Fp8Config"):
+  with pytest.raises(TypeError, match="config must be an fp8 recipe"):
     fp8.dot_general(x, x.T, MATMUL, state, config="hybrid")
   with pytest.raises(ValueError, match=r"loss_scale must be a scalar, got shape \(2,\)"):
     fp8.dot_general(x, x.T, MATMUL, state, loss_scale=jnp.ones(2))
@@ -495,7 +501,7 @@ def test_dot_general_rejects_bad_arguments():
 
 
 def test_dot_general_under_vmap_and_jit():
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   xs, k = small_integers((5, 3, 4), 4, 3), small_integers((4, 2), 5, 3)
   f = jax.jit(jax.vmap(lambda x: fp8.dot_general(x, k, MATMUL, state)))
   np.testing.assert_array_equal(f(xs), jnp.einsum("bij,jk->bik", xs, k))
@@ -509,7 +515,7 @@ def test_einsum_takes_exactly_the_keyword_options_of_dot_general():
     if p.kind is inspect.Parameter.KEYWORD_ONLY
   ]
   assert list(DotOptions.__annotations__) == keyword_only
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   x = jnp.ones((2, 3))
   with pytest.raises(TypeError, match="unexpected keyword argument 'precison'"):
     fp8.einsum("ij,jk->ik", x, x.T, state, precison=None)
@@ -519,7 +525,7 @@ def test_einsum_takes_exactly_the_keyword_options_of_dot_general():
 
 def test_a_substituted_dot_kernel_is_traced_inside_its_scope_only():
   """The scope benchmarks/fp8_check.py uses to trace an earlier formulation of the matmul."""
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   x, k = jnp.full((2, 3), 2.0), jnp.full((3, 4), 0.5)
   seen = []
 
@@ -536,7 +542,7 @@ def test_a_substituted_dot_kernel_is_traced_inside_its_scope_only():
 
 def test_current_scaling_scopes_nest_and_stay_in_their_thread():
   """Every open scope counts an op traced inside; another thread sees none of them."""
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   x, k = jnp.full((1, 1), 896.0), jnp.full((1, 1), 448.0)  # 896 saturates E4M3 at scale 1
   exact, saturated = 896.0 * 448.0, 448.0 * 448.0
 
@@ -574,7 +580,7 @@ def test_current_scaling_scopes_nest_and_stay_in_their_thread():
   ],
 )
 def test_einsum_matches_jnp_einsum(subscripts, lhs_shape, rhs_shape):
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   x, k = small_integers(lhs_shape, 6, 2), small_integers(rhs_shape, 7, 2)
   g = small_integers(jnp.einsum(subscripts, x, k).shape, 8, 2)
   got = value_and_vjp(lambda x, k: fp8.einsum(subscripts, x, k, state), x, k, g)
@@ -594,7 +600,7 @@ def test_einsum_matches_jnp_einsum(subscripts, lhs_shape, rhs_shape):
   ],
 )
 def test_einsum_rejects_bad_subscripts(subscripts, shapes, match):
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   with pytest.raises(ValueError, match=match):
     fp8.einsum(subscripts, jnp.ones(shapes[0]), jnp.ones(shapes[1]), state)
 
@@ -634,8 +640,10 @@ def mlp_loss(params, fp8_state, amax, x, y, loss_scale=None, reduce=jnp.mean):
   return reduce((out.astype(jnp.float32) - y) ** 2)
 
 
-def init_mlp_state():
-  return {"l1": fp8.init_dot_state(CONFIG), "l2": fp8.init_dot_state(CONFIG)}
+def init_mlp_state(set_scales=False):
+  """Fresh states (no scales yet), or with set_scales every scale 1."""
+  init = (lambda: unit_state(CONFIG)) if set_scales else (lambda: fp8.init_dot_state(CONFIG))
+  return {"l1": init(), "l2": init()}
 
 
 @jax.jit
@@ -952,7 +960,7 @@ def test_amax_is_max_reduced_across_devices_under_shard_map(check_vma):
   params, (x, y) = mlp_init(), mlp_data(32)
   # Give each device a different input range, so max and sum differ.
   x = x * jnp.repeat(jnp.arange(1.0, 9.0), 4)[:, None]
-  state = init_mlp_state()
+  state = init_mlp_state(set_scales=True)
   ref_grads, _, ref_state = full_batch_update(params, state, x, y)
 
   def per_device(params, state, x, y):
@@ -991,7 +999,7 @@ def test_amax_is_global_under_sharded_jit():
   mesh = _mesh()
   params, (x, y) = mlp_init(), mlp_data(32)
   x = x * jnp.repeat(jnp.arange(1.0, 9.0), 4)[:, None]
-  state = init_mlp_state()
+  state = init_mlp_state(set_scales=True)
   _, _, ref_state = full_batch_update(params, state, x, y)
   sharding = NamedSharding(mesh, PartitionSpec("data"))
   xs, ys = jax.device_put(x, sharding), jax.device_put(y, sharding)
@@ -1003,7 +1011,7 @@ def test_amax_is_global_under_sharded_jit():
 
 def test_out_sharding_under_explicit_sharding():
   mesh = _mesh()
-  state = fp8.init_dot_state(fp8.Fp8Config(amax_history_length=2))
+  state = unit_state()
   x = jax.device_put(small_integers((16, 4), 9, 3), NamedSharding(mesh, PartitionSpec("data")))
   k = small_integers((4, 3), 10, 3)
   with jax.set_mesh(mesh):
@@ -1029,7 +1037,7 @@ def test_out_sharding_under_explicit_sharding():
 def test_amax_is_max_combined_across_microsteps():
   params, (x, y) = mlp_init(), mlp_data(32)
   x = x * jnp.repeat(jnp.arange(1.0, 5.0), 8)[:, None]
-  state = init_mlp_state()
+  state = init_mlp_state(set_scales=True)
   ref_grads, ref_amax, ref_state = full_batch_update(params, state, x, y)
 
   @jax.jit
@@ -1149,7 +1157,7 @@ def test_an_fp8_state_initialized_after_a_donated_update_has_buffers_of_its_own(
   first = update(donated)
   assert donated.input.scale.is_deleted()  # the update consumed it
   fresh = fp8.init_dot_state(config)  # a second run
-  assert [float(t.scale) for t in fresh] == [1.0, 1.0, 1.0]
+  assert [float(t.scale) for t in fresh] == [0.0, 0.0, 0.0]
   second = update(fresh)
-  assert [float(t.scale) for t in second] == [2.0, 1.0, 0.0625]
+  assert [float(t.scale) for t in second] == [2.0, 0.0, 0.0625]
   jax.tree.map(np.testing.assert_array_equal, second, first)

@@ -1,4 +1,9 @@
-r"""fp8 matmuls with per-tensor delayed scaling (E4M3 forward, E5M2 backward).
+r"""fp8 matmuls (E4M3 forward, E5M2 backward), each tensor scaled as a recipe says.
+
+How each tensor is scaled is a recipe (:class:`Fp8Recipe`), passed as
+``config=``: :class:`CurrentScaling` (the default) scales each tensor by its
+own amax, just in time, and keeps no state; :class:`DelayedScaling` (an
+:class:`Fp8Config`) scales it from the amaxes of earlier steps, as below.
 
 An fp8 matmul quantizes each operand with its own scale :math:`s`, multiplies
 the 8-bit values with fp32 accumulation, and multiplies the result back by the
@@ -41,12 +46,10 @@ folds the observations into the state, outside differentiation. Observations
 from several devices or gradient-accumulation microsteps are combined with
 ``max`` (:func:`reduce_amax`, :func:`combine_amax`), never summed.
 
-A fresh state has no history, and its scales of 1 flush every value below the
-format's smallest subnormal and saturate every value above its largest.
-:func:`calibrate` fills the history from one batch before training, with one
-pass under :func:`current_scaling` (each tensor quantized with the scale of
-its own amax), so the first step's error is rounding only; the training step
-is unchanged.
+A fresh state has no scales yet (0): the matmul quantizes such a tensor with
+its own amax, so the first step's error is rounding only, not a flush to zero
+or a saturation. :func:`calibrate` fills the history from one batch before
+training instead, with one pass under :func:`current_scaling`.
 
 >>> from jmp_lite import fp8
 >>> config = fp8.Fp8Config(amax_history_length=4)
@@ -65,8 +68,9 @@ is unchanged.
 
 The modules behind this namespace: ``jmp_lite._fp8_config`` (:class:`Fp8Config`
 and its checks; below the policy module, which parses ``fp8=`` into it),
-``_scaling`` (the state and its update rules), ``_quantize``, ``_matmul``
-(:func:`dot_general` and its VJP), ``_sharding`` (its shard_map and
+``_scaling`` (the state and its update rules), ``_quantize``, ``_recipes``
+(:class:`Fp8Recipe`, the recipes and :func:`dot_general`), ``_matmul`` (the
+per-tensor matmul and its VJP), ``_sharding`` (its shard_map and
 explicit-sharding typing), ``_einsum`` and ``_current_scaling``
 (:func:`current_scaling`, :func:`calibrate`); :class:`Fp8Policy` and
 :func:`get_fp8_policy` live with the other policies in ``jmp_lite._policy``.
@@ -84,8 +88,18 @@ from jmp_lite._fp8_config import (
 from jmp_lite._policy import Fp8Policy, get_fp8_policy
 from jmp_lite.fp8._current_scaling import CurrentScalingScope, calibrate, current_scaling
 from jmp_lite.fp8._einsum import einsum
-from jmp_lite.fp8._matmul import dot_general
+from jmp_lite.fp8._mx import native_support as mxfp8_native_support
 from jmp_lite.fp8._quantize import compute_amax, dequantize, quantize, quantize_dequantize
+from jmp_lite.fp8._recipes import (
+  BlockScaling,
+  CurrentScaling,
+  DelayedScaling,
+  Fp8Recipe,
+  Mxfp8Scaling,
+  RowwiseScaling,
+  as_recipe,
+  dot_general,
+)
 from jmp_lite.fp8._scaling import (
   Fp8DotAmax,
   Fp8DotState,
@@ -109,6 +123,15 @@ __all__ = (
   "FAST_ACCUMULATION",
   "Fp8Policy",
   "get_fp8_policy",
+  # Recipes: how each tensor is scaled
+  "Fp8Recipe",
+  "CurrentScaling",
+  "DelayedScaling",
+  "RowwiseScaling",
+  "BlockScaling",
+  "Mxfp8Scaling",
+  "mxfp8_native_support",
+  "as_recipe",
   # The matmuls
   "dot_general",
   "einsum",

@@ -100,10 +100,11 @@ def calibrate(
       no fp8 op with a probe (nothing would be calibrated).
 
   >>> from jmp_lite.fp8 import Fp8Config, dot_general, init_dot_state
-  >>> state = init_dot_state(Fp8Config(amax_history_length=4))
+  >>> config = Fp8Config(amax_history_length=4)
+  >>> state = init_dot_state(config)
   >>> x, k = jnp.full((2, 3), 896.0), jnp.full((3, 2), 0.4375)
   >>> def loss(amax):  # output gradients of 57344 * 2**-40 ~ 2**-24: zero at scale 1
-  ...   y = dot_general(x, k, (((1,), (0,)), ((), ())), state, amax)
+  ...   y = dot_general(x, k, (((1,), (0,)), ((), ())), state, amax, config=config)
   ...   return jnp.sum(y) * (57344 * 2.0**-40)
   >>> calibrated = jax.jit(calibrate, static_argnums=0)(loss, state)  # or eagerly
   >>> [float(t.scale) for t in calibrated]

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jmp_lite.fp8._matmul import DotOptions, check_operand, dot_general
+from jmp_lite.fp8._matmul import DotOptions, check_operand
+from jmp_lite.fp8._recipes import dot_general
 from jmp_lite.fp8._scaling import Fp8DotAmax, Fp8DotState
 
 
@@ -128,7 +129,7 @@ def einsum(
   subscripts: str,
   lhs: jax.typing.ArrayLike,
   rhs: jax.typing.ArrayLike,
-  state: Fp8DotState,
+  state: Fp8DotState | None = None,
   amax: Fp8DotAmax | None = None,
   **options: Unpack[DotOptions],
 ) -> jax.Array:
@@ -147,7 +148,7 @@ def einsum(
     subscripts: the equation, e.g. ``"btd,df->btf"``.
     lhs: the input, a floating array in 16 or 32 bits.
     rhs: the kernel, a floating array in 16 or 32 bits.
-    state: this matmul's :class:`Fp8DotState`.
+    state: this matmul's :class:`Fp8DotState` (delayed scaling), or ``None``.
     amax: the probe, as in :func:`dot_general`.
     **options: the keyword options of :func:`dot_general`: ``config``,
       ``loss_scale``, ``precision``, ``preferred_element_type``,
@@ -157,10 +158,8 @@ def einsum(
     The einsum, with gradients flowing to ``lhs`` and ``rhs`` and the
     observations to ``amax``.
 
-  >>> from jmp_lite.fp8 import Fp8Config, init_dot_state
-  >>> state = init_dot_state(Fp8Config(amax_history_length=4))
   >>> x, k = jnp.ones((2, 3, 4)), jnp.full((4, 5), 0.25)
-  >>> einsum("btd,df->bft", x, k, state).shape
+  >>> einsum("btd,df->bft", x, k).shape
   (2, 5, 3)
   """
   lhs = check_operand(lhs, "lhs")

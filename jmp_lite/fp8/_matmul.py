@@ -30,7 +30,7 @@ from jax import lax
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _validation
 from jmp_lite._context import Ambient
-from jmp_lite._fp8_config import F32, Fp8Config, as_config
+from jmp_lite._fp8_config import F32, Fp8Config
 from jmp_lite._loss_scale import uniform_scale_value
 from jmp_lite.fp8 import _current_scaling, _sharding
 from jmp_lite.fp8._quantize import compute_amax, quantize
@@ -126,6 +126,7 @@ class DotSpec(NamedTuple):
   margin: float
   fwd_precision: Any  # lax.Precision.DEFAULT lets XLA:GPU use fast fp8 accumulation
   bwd_precision: Any
+  power_of_2: bool = False  # current scales rounded up to a power of two
 
 
 def _precisions(config: Fp8Config) -> tuple[Any, Any]:
@@ -140,6 +141,35 @@ def _precisions(config: Fp8Config) -> tuple[Any, Any]:
   return (fast if mode in ("forward", "all") else exact), (fast if mode == "all" else exact)
 
 
+def power_of_2_above(scale: jax.Array) -> jax.Array:
+  r"""The least power of two :math:`\geq` ``scale`` (a positive finite float32), exactly.
+
+  A scale rounded up still maps the amax into the format's range, and a
+  power-of-two scale makes the division by it exact.
+  """
+  mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+  exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+  return jnp.ldexp(jnp.ones_like(scale), exponent)
+
+
+def scale_for(state_scale, amax, dtype, spec) -> jax.Array:
+  r"""The scale one tensor is quantized with.
+
+  Under current scaling, the tensor's own: :func:`compute_scale` of its amax
+  (rounded up to a power of two with ``spec.power_of_2``). With delayed
+  scaling, the state's, unless the state has none yet (a scale of 0: a fresh
+  state whose history never saw a nonzero amax), when it is the tensor's own
+  too, so that a first step cannot flush or saturate a tensor silently.
+  """
+  known = state_scale > 0
+  own = compute_scale(amax, jnp.where(known, state_scale, 1.0), dtype, spec.margin)
+  if spec.power_of_2:
+    own = power_of_2_above(own)
+  if spec.current_scaling:  # static: the delayed program has only the select below
+    return own
+  return jnp.where(known, state_scale, own)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def fp8_dot(lhs, rhs, scales, probe, loss_scale, spec):
   """The fp8 matmul with its VJP: ``(lhs, rhs, scales, probe, loss_scale, DotSpec) -> out``."""
@@ -152,9 +182,8 @@ def _fp8_dot_fwd(lhs, rhs, scales, probe, loss_scale, spec):
   # Each amax reads the same tensor as its quantization (siblings XLA can fuse
   # into one pass); with delayed scaling neither waits for the other.
   lhs_amax, rhs_amax = compute_amax(lhs), compute_amax(rhs)
-  if spec.current_scaling:  # static: the delayed program has no trace of this
-    input_scale = compute_scale(lhs_amax, input_scale, spec.fwd_dtype, spec.margin)
-    kernel_scale = compute_scale(rhs_amax, kernel_scale, spec.fwd_dtype, spec.margin)
+  input_scale = scale_for(input_scale, lhs_amax, spec.fwd_dtype, spec)
+  kernel_scale = scale_for(kernel_scale, rhs_amax, spec.fwd_dtype, spec)
   q_lhs = quantize(lhs, input_scale, spec.fwd_dtype)
   q_rhs = quantize(rhs, kernel_scale, spec.fwd_dtype)
   out = _scaled_dot(
@@ -173,8 +202,7 @@ def _fp8_dot_bwd(spec, residuals, g):
   # fp8 values as unscaled training (exactly, for a power-of-two S), and the
   # amax is recorded unscaled, so a change of S never moves the fp8 scales.
   grad_amax = compute_amax(g) / loss_scale
-  if spec.current_scaling:
-    grad_scale = compute_scale(grad_amax, grad_scale, spec.bwd_dtype, spec.margin)
+  grad_scale = scale_for(grad_scale, grad_amax, spec.bwd_dtype, spec)
   scale = grad_scale * loss_scale
   q_g = quantize(g, scale, spec.bwd_dtype)
   g, lhs, rhs = (q_g, scale), (q_lhs, input_scale), (q_rhs, kernel_scale)
@@ -194,7 +222,7 @@ fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 DOT_KERNEL: Ambient[Callable[..., jax.Array]] = Ambient("jmp_lite.fp8.dot_kernel")
 
 
-def _loss_scale_value(loss_scale: Any) -> jax.Array:
+def loss_scale_value(loss_scale: Any) -> jax.Array:
   """A float32 scalar from None (1), a uniform jmp_lite loss scale, or a number/array."""
   if loss_scale is None:
     return jnp.ones((), F32)
@@ -203,7 +231,8 @@ def _loss_scale_value(loss_scale: Any) -> jax.Array:
   return uniform_scale_value(
     loss_scale,
     instead="fp8's delayed scaling already scales each matmul's output gradient on its own: "
-    "use jl.DynamicLossScale (or jl.NoOpLossScale with bf16) for the 16-bit parts.",
+    "use jl.DynamicLossScale (or jl.NoOpLossScale with bf16) for the 16-bit parts, or "
+    "fp8.CurrentScaling, which takes any loss scale.",
   )
 
 
@@ -253,93 +282,68 @@ def _traced_under_current_scaling(probed: bool) -> bool:
 class DotOptions(TypedDict, total=False):
   """The keyword options of :func:`dot_general`, which :func:`einsum` passes on."""
 
-  config: Fp8Config | None
+  config: Any
   loss_scale: Any
   precision: Any
   preferred_element_type: Any
   out_sharding: Any
 
 
-def dot_general(
-  lhs: jax.typing.ArrayLike,
-  rhs: jax.typing.ArrayLike,
-  dimension_numbers: Any,
-  state: Fp8DotState,
-  amax: Fp8DotAmax | None = None,
-  *,
-  config: Fp8Config | None = None,
-  loss_scale: Any = None,
-  precision: Any = None,
-  preferred_element_type: Any = None,
-  out_sharding: Any = None,
-) -> jax.Array:
-  r"""``lax.dot_general`` with fp8 operands and per-tensor delayed scaling.
+class DotCall(NamedTuple):
+  """One fp8 matmul call, checked: what every recipe's ``dot_general`` receives."""
 
-  .. math::
+  lhs: jax.Array
+  rhs: jax.Array
+  dims: tuple  # canonical ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))
+  out_dtype: np.dtype
+  loss_scale: Any  # as given: each recipe reads (or refuses) it
+  out_sharding: Any
 
-    y = \big(q(x) \cdot q(k)\big)_{\text{fp32}} \; s_x s_k, \qquad
-    \partial x = \big(q(g) \cdot q(k)^\top\big)_{\text{fp32}} \; s_g s_k, \qquad
-    \partial k = \big(q(x)^\top \cdot q(g)\big)_{\text{fp32}} \; s_x s_g
 
-  Quantizes ``lhs`` (:math:`x`, the input) and ``rhs`` (:math:`k`, the
-  kernel) to ``config.fwd_dtype`` with ``state.input.scale`` and
-  ``state.kernel.scale``; the backward pass quantizes the output gradient
-  :math:`g` to ``config.bwd_dtype`` with ``state.output_grad.scale``. The
-  state is read, never written. Traced under :func:`current_scaling`, it
-  quantizes each tensor with the scale of its own amax instead.
-
-  Args:
-    lhs: the input, a floating array in 16 or 32 bits.
-    rhs: the kernel, a floating array in 16 or 32 bits.
-    dimension_numbers: as in :func:`jax.lax.dot_general`.
-    state: this matmul's :class:`Fp8DotState`.
-    amax: a zero :class:`Fp8DotAmax` probe; differentiate with respect to it to
-      receive this step's observed amaxes. ``None`` observes nothing (eval).
-    config: the fp8 formats (``Fp8Config()`` by default).
-    loss_scale: the loss scale the gradients carry (a number, array, or
-      jmp_lite loss scale; default 1). The output gradient is quantized with
-      ``state.output_grad.scale * loss_scale`` and its amax recorded divided
-      by it, so fp8 scaling and loss scaling compose exactly.
-    precision: accepted for signature compatibility with ``lax.dot_general``
-      (Flax passes it) and ignored: products of fp8 values are exact in fp32,
-      and ``config.fast_accumulation`` decides how the GPU sums them.
-    preferred_element_type: output dtype (default: the promoted operand
-      dtype). Accumulation is fp32 regardless (see ``fast_accumulation``).
-    out_sharding: passed to the forward ``lax.dot_general``.
-
-  Returns:
-    The product, with gradients flowing to ``lhs`` and ``rhs`` (in their
-    dtypes) and the observations to ``amax``.
-
-  >>> from jmp_lite.fp8 import Fp8Config, init_dot_state
-  >>> state = init_dot_state(Fp8Config(amax_history_length=4))
-  >>> x, k = jnp.full((2, 3), 0.5), jnp.full((3, 2), 3.0)
-  >>> dot_general(x, k, (((1,), (0,)), ((), ())), state).tolist()
-  [[4.5, 4.5], [4.5, 4.5]]
-  """
-  del precision
-  config = as_config(config)
+def check_call(lhs, rhs, dimension_numbers, preferred_element_type, loss_scale, out_sharding):
+  """Checks the operands and dimension numbers of an fp8 matmul; a :class:`DotCall`."""
   lhs, rhs = check_operand(lhs, "lhs"), check_operand(rhs, "rhs")
   dims = _canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
-  scales = _check_dot_state(state)
-  probe_axes, probe = _sharding.vary_like_union(*_check_probe(amax))
-  _, (lhs, rhs) = _sharding.vary_like_union(lhs, rhs)
   if preferred_element_type is None:
     out_dtype = jnp.result_type(lhs, rhs)
   else:
     out_dtype = np.dtype(preferred_element_type)
+  return DotCall(lhs, rhs, dims, out_dtype, loss_scale, out_sharding)
+
+
+def per_tensor_dot(
+  call: DotCall,
+  state: Fp8DotState | None,
+  amax: Fp8DotAmax | None,
+  config: Fp8Config,
+  *,
+  current: bool,
+  power_of_2: bool = False,
+) -> jax.Array:
+  """The per-tensor fp8 matmul (:func:`fp8_dot`) for a call, with delayed or current scales.
+
+  ``state`` None (current scaling only) quantizes a zero tensor with a scale of 1.
+  """
+  if state is None:
+    one = jnp.ones((), F32)
+    scales, loss_scale = (one, one, one), one  # current scales do not depend on it
+  else:
+    scales, loss_scale = _check_dot_state(state), loss_scale_value(call.loss_scale)
+  probe_axes, probe = _sharding.vary_like_union(*_check_probe(amax))
+  _, (lhs, rhs) = _sharding.vary_like_union(call.lhs, call.rhs)
   spec = DotSpec(
-    dims,
+    call.dims,
     config.fwd_dtype,
     config.bwd_dtype,
-    out_dtype,
+    call.out_dtype,
     lhs.dtype,
     rhs.dtype,
-    out_sharding,
+    call.out_sharding,
     probe_axes,
-    _traced_under_current_scaling(amax is not None),
+    _traced_under_current_scaling(amax is not None) or current,
     config.margin,
     *_precisions(config),
+    power_of_2,
   )
   kernel = DOT_KERNEL.current() or fp8_dot
-  return kernel(lhs, rhs, scales, Fp8DotAmax(*probe), _loss_scale_value(loss_scale), spec)
+  return kernel(lhs, rhs, scales, Fp8DotAmax(*probe), loss_scale, spec)

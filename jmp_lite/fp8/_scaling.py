@@ -68,10 +68,13 @@ class Fp8DotAmax(NamedTuple):
 
 
 def init_scale_state(amax_history_length: int = 1024) -> Fp8ScaleState:
-  """A scale of 1 and an all-zero history (zero amaxes keep the scale at 1).
+  """No scale yet (0) and an all-zero history.
 
-  Scale 1 suits no particular tensor: :func:`calibrate` sets the scales from a
-  first batch before training.
+  A scale of 0 means "none yet": the matmul quantizes such a tensor with its
+  own amax (current scaling), and :func:`update_scale` keeps it at 0 until an
+  observation is nonzero, so a fresh state's first step cannot flush or
+  saturate silently. :func:`calibrate` sets the scales from a first batch
+  before training instead.
 
   Args:
     amax_history_length: the history length :math:`L` (>= 1).
@@ -80,10 +83,10 @@ def init_scale_state(amax_history_length: int = 1024) -> Fp8ScaleState:
     The initial :class:`Fp8ScaleState`.
 
   >>> init_scale_state(2)
-  Fp8ScaleState(scale=Array(1., dtype=float32), amax_history=Array([0., 0.], dtype=float32))
+  Fp8ScaleState(scale=Array(0., dtype=float32), amax_history=Array([0., 0.], dtype=float32))
   """
   length = _validation.check_int(amax_history_length, "amax_history_length", 1)
-  return Fp8ScaleState(jnp.ones((), F32), jnp.zeros((length,), F32))
+  return Fp8ScaleState(jnp.zeros((), F32), jnp.zeros((length,), F32))
 
 
 def init_dot_state(config: Fp8Config | None = None) -> Fp8DotState:
@@ -303,7 +306,7 @@ def update(state: Any, amax: Any, config: Fp8Config | None = None, *, axis_name:
   >>> state = init_dot_state(Fp8Config(amax_history_length=2))
   >>> observed = Fp8DotAmax(jnp.float32(896.0), jnp.float32(0.0), jnp.float32(3584.0))
   >>> [float(t.scale) for t in update(state, observed)]  # a zero amax keeps the scale
-  [2.0, 1.0, 0.0625]
+  [2.0, 0.0, 0.0625]
   """
   config = as_config(config)
   if axis_name is not None:

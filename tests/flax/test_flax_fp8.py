@@ -285,7 +285,7 @@ def test_linen_fp8_policy_spellings():
   assert set(spelled["fp8_state"]) == set(on["fp8_state"])
   history = spelled["fp8_state"]["einsum"][flax_fp8.VARIABLE_NAME].input.amax_history
   assert history.shape == (fp8.Fp8Config().amax_history_length,)
-  with pytest.raises(TypeError, match="Expected an Fp8Config"):
+  with pytest.raises(TypeError, match="Expected an fp8 recipe"):
     flax_fp8.linen_interceptor(3)
 
 
@@ -591,7 +591,9 @@ def test_same_scales_give_the_same_quantized_result_as_flax():
 def test_delayed_scaling_trajectory_matches_flax():
   """Same data each step: both libraries pick the same scales and outputs."""
   variables = flax_variables(inputs(1, (6, 16)), {})
-  state = fp8.init_dot_state(CONFIG)
+  # Flax's initial state: scales of 1 (a fresh jmp_lite state has none, and its first step
+  # quantizes each tensor with its own amax).
+  state = our_state({name: 1.0 for name in fp8.Fp8DotState._fields})
   flax_jit, our_jit = jax.jit(flax_step), jax.jit(our_step)
   for step in range(4):
     x = inputs(10 + step, (6, 16)) * (step + 1)  # a growing input range
@@ -676,12 +678,133 @@ def test_fp8_states_initialized_after_a_donated_step_have_buffers_of_their_own()
   linen_scales, nnx_scales = [], []
   for _ in range(2):  # a second run: a fresh init of each kind
     state = linen_variables()[flax_fp8.STATE_COLLECTION]
-    assert float(state[flax_fp8.VARIABLE_NAME].input.scale) == 1.0
+    assert float(state[flax_fp8.VARIABLE_NAME].input.scale) == 0.0  # none yet
     linen_scales.append(float(linen_step(state)[flax_fp8.VARIABLE_NAME].input.scale))
     assert state[flax_fp8.VARIABLE_NAME].input.scale.is_deleted()
     model = flax_fp8.nnx_fp8(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), CONFIG)
-    assert float(model.dot_general.input_scale.get_value()) == 1.0
+    assert float(model.dot_general.input_scale.get_value()) == 0.0
     nnx_step(model)
     nnx_scales.append(float(model.dot_general.input_scale.get_value()))
   assert linen_scales == [float(np.float32(8.0) / np.float32(448.0))] * 2
   assert nnx_scales == [float(jnp.max(jnp.abs(x)) / np.float32(448.0))] * 2
+
+
+# Recipes: the default (current scaling) and delayed scaling's first step ---------------
+
+
+class RematScanStack(nn.Module):
+  """Three remat'ed Dense+tanh blocks under nn.scan, fp8 collections stacked per layer."""
+
+  @nn.compact
+  def __call__(self, x):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return jnp.tanh(nn.Dense(4)(h)), None
+
+    axes = {"params": 0, flax_fp8.STATE_COLLECTION: 0, flax_fp8.AMAX_COLLECTION: 0}
+    block = nn.remat(Block, prevent_cse=False)
+    scan = nn.scan(block, variable_axes=axes, split_rngs={"params": True}, length=3)
+    return scan()(x, None)[0]
+
+
+def unrolled_reference(params, x, recipe):
+  """The stack layer by layer with the functional fp8 matmul (current scaling throughout)."""
+  dense = params["ScanCheckpointBlock_0"]["Dense_0"]
+  for i in range(3):
+    x = jnp.tanh(fp8.dot_general(x, dense["kernel"][i], DENSE, config=recipe) + dense["bias"][i])
+  return x
+
+
+@pytest.mark.parametrize(
+  "recipe",
+  [
+    None,
+    fp8.CurrentScaling(power_of_2=True),
+    fp8.DelayedScaling(amax_history_length=4),
+    fp8.RowwiseScaling(),
+    fp8.RowwiseScaling(weight_grad="compute_dtype"),
+    fp8.BlockScaling(),
+    fp8.Mxfp8Scaling(),
+  ],
+  ids=["default", "current_power_of_2", "delayed", "rowwise", "rowwise_gw_hp", "block", "mxfp8"],
+)
+def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
+  """Under nn.scan + nn.remat, each recipe's first step equals the functional matmul layer by
+  layer, bit for bit (delayed: a fresh state, as current scaling); stateless recipes create no
+  fp8 collection, and delayed scaling's stacked state round-trips through orbax."""
+  x = inputs(7, (16, 4)) * 0.5  # tanh stays off its flat tails: the reference has no zero gradient
+  variables = linen_init(RematScanStack(), x, recipe)
+  params = variables["params"]
+  stateful = isinstance(recipe, fp8.DelayedScaling)
+  assert (flax_fp8.STATE_COLLECTION in variables) == stateful
+  state = variables.get(flax_fp8.STATE_COLLECTION)
+  current = fp8.CurrentScaling() if recipe is None or stateful else recipe
+
+  @jax.jit
+  def grads(params, state):
+    def loss(params, amax):
+      collections = {"params": params}
+      if stateful:
+        collections.update({flax_fp8.STATE_COLLECTION: state, flax_fp8.AMAX_COLLECTION: amax})
+      with flax_fp8.linen_fp8(recipe, loss_scale=2.0**8):
+        return TINY_LOSS * 2.0**8 * jnp.sum(RematScanStack().apply(collections, x))
+
+    return jax.grad(loss, argnums=(0, 1))(params, fp8.zeros_amax(state) if stateful else None)
+
+  @jax.jit
+  def reference(params):
+    loss = lambda p: TINY_LOSS * 2.0**8 * jnp.sum(unrolled_reference(p, x, current))
+    return jax.grad(loss)(params)
+
+  (got, amax), want = grads(params, state), reference(params)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  kernel_grad = np.asarray(got["ScanCheckpointBlock_0"]["Dense_0"]["kernel"])
+  assert np.mean(kernel_grad == 0) == 0.0  # nothing flushed, in any layer
+  if stateful:
+    new_state = fp8.update(state, amax, recipe)
+    ocp = pytest.importorskip("orbax.checkpoint")
+    with ocp.StandardCheckpointer() as ckpt:
+      ckpt.save(tmp_path / "fp8", new_state)
+      ckpt.wait_until_finished()
+      restored = ckpt.restore(tmp_path / "fp8", jax.tree.map(jnp.zeros_like, new_state))
+    jax.tree.map(np.testing.assert_array_equal, restored, new_state)
+    dot = jax.tree.leaves(restored, is_leaf=lambda s: isinstance(s, fp8.Fp8DotState))[0]
+    np.testing.assert_allclose(dot.input.scale[0], np.abs(x).max() / 448, rtol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", [None, fp8.RowwiseScaling()], ids=["default", "rowwise"])
+def test_nnx_stateless_recipes_keep_no_state_and_first_step_flushes_nothing(recipe):
+  """nnx_fp8 without a recipe (current scaling) or row-wise: no fp8 variables; with a loss x
+  2^-20 and the loss scale passed, the gradients equal linen's and none is zero."""
+  x, targets = first_step_data()
+  params = layers_variables()["params"]
+  model = nnx.eval_shape(lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), recipe))
+  graphdef, state = nnx.split(model)
+  assert not nnx.to_pure_dict(nnx.split_state(state, flax_fp8.Fp8State, ...)[0])
+  pure = nnx.to_pure_dict(state)
+  for layer, values in pure.items():
+    for name in values:
+      values[name] = params[layer][name]
+  nnx.replace_by_pure_dict(state, pure)
+  model = nnx.merge(graphdef, state)
+  loss_scale = jl.StaticLossScale(jnp.float32(2.0**8))
+
+  @nnx.jit
+  def step(model):
+    loss_fn = lambda model: first_step_loss(model(x), targets)
+    _, grads = flax_fp8.nnx_value_and_grad(loss_fn, loss_scale=loss_scale)(model)
+    return jax.tree.map(lambda g: g / 2.0**8, nnx.to_pure_dict(grads))
+
+  @jax.jit
+  def linen_grads(params):
+    def loss(params):
+      with flax_fp8.linen_fp8(recipe):
+        return first_step_loss(Layers().apply({"params": params}, x), targets)
+
+    return jax.grad(loss)(params)
+
+  grads, want = step(model), linen_grads(params)
+  assert_rounding_error_only(grads, reference_grads(params, x, targets))
+  for layer in grads:
+    jax.tree.map(np.testing.assert_array_equal, grads[layer], want[layer])

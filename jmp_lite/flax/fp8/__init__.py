@@ -43,11 +43,13 @@ The loss scale the gradients carry reaches the fp8 ops through
 :func:`loss_scale_scope` (``linen_fp8`` and ``nnx_value_and_grad`` take a
 ``loss_scale`` argument that sets it).
 
-Before the first training step, set the scales from a first batch (the
-initial scales of 1 flush small gradients and saturate large activations; see
-:func:`jmp_lite.fp8.calibrate`): linen's ``"fp8_state"`` is a pytree of
-:class:`~jmp_lite.fp8.Fp8DotState`, so ``fp8.calibrate`` applies to it as is;
-for NNX, ``nnx_calibrate(loss_fn)(model, *batch)``.
+The recipe decides the state: with :class:`~jmp_lite.fp8.CurrentScaling`
+(the default) layers keep none (no ``"fp8_state"`` collection, no
+:class:`Fp8State` variables). With delayed scaling a fresh state has no scales
+yet and its first step quantizes each tensor with its own amax; to set the
+scales from a first batch instead (:func:`jmp_lite.fp8.calibrate`): linen's
+``"fp8_state"`` is a pytree of :class:`~jmp_lite.fp8.Fp8DotState`, so
+``fp8.calibrate`` applies to it as is; for NNX, ``nnx_calibrate(loss_fn)(model, *batch)``.
 
 The modules behind this namespace: ``_linen`` (interception and explicit
 injection), ``_nnx`` (the ops NNX layers hold, and the NNX training helpers)

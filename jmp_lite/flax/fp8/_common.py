@@ -10,8 +10,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from jmp_lite import fp8
 from jmp_lite._context import Ambient
-from jmp_lite._fp8_config import Fp8Config, as_config
 from jmp_lite._policy import Fp8Policy, Policy, get_fp8_policy
 
 # The loss scale the gradients carry, for the fp8 ops traced inside loss_scale_scope().
@@ -36,7 +36,7 @@ def loss_scale_scope(loss_scale: Any) -> Iterator[None]:
     yield
 
 
-def op_options(config: Fp8Config, **options: Any) -> dict[str, Any]:
+def op_options(config: Any, **options: Any) -> dict[str, Any]:
   """Keyword arguments of an fp8 op call: ``config``, the current loss scale, ``options``.
 
   Called when the op is traced: the loss scale is a tracer of the step being
@@ -45,24 +45,29 @@ def op_options(config: Fp8Config, **options: Any) -> dict[str, Any]:
   return {"config": config, "loss_scale": LOSS_SCALE.current(), **options}
 
 
-def config_of_spec(spec: Any) -> Fp8Config | None:
-  """The fp8 config a spec asks for (``None``: no fp8).
+def config_of_spec(spec: Any) -> Any:
+  """The fp8 recipe a spec asks for (``None``: no fp8).
 
   Args:
-    spec: an :class:`~jmp_lite.fp8.Fp8Config`, ``None`` (``Fp8Config()``), an
+    spec: an fp8 recipe (:class:`~jmp_lite.fp8.Fp8Recipe`, e.g.
+      :class:`~jmp_lite.fp8.CurrentScaling`; an :class:`~jmp_lite.fp8.Fp8Config`
+      is :class:`~jmp_lite.fp8.DelayedScaling`), ``None`` (``CurrentScaling()``), an
       :class:`~jmp_lite.fp8.Fp8Policy`, a :class:`~jmp_lite.Policy` (no fp8
       unless its compute dtype is fp8) or a policy string such as
       ``"p=f32,c=bf16,o=f32,fp8=hybrid"``.
 
   Returns:
-    The :class:`~jmp_lite.fp8.Fp8Config`, or ``None`` for a policy without fp8.
+    The recipe, or ``None`` for a policy without fp8 (a policy's ``fp8=`` names
+    the formats of :class:`~jmp_lite.fp8.DelayedScaling`).
   """
   if isinstance(spec, (str, Policy, Fp8Policy)):
-    return get_fp8_policy(spec).config
+    config = get_fp8_policy(spec).config
+    return None if config is None else fp8.as_recipe(config)
   try:
-    return as_config(spec)  # a config, or None
+    return fp8.as_recipe(spec)
   except TypeError:
     raise TypeError(
-      "Expected an Fp8Config, an Fp8Policy, a Policy or a policy string such as "
+      "Expected an fp8 recipe (fp8.CurrentScaling, fp8.DelayedScaling, an Fp8Config), an "
+      "Fp8Policy, a Policy or a policy string such as "
       f"'p=f32,c=bf16,o=f32,fp8=hybrid'; got {spec!r} of type {type(spec).__name__}."
     ) from None

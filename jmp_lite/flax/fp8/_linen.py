@@ -20,12 +20,17 @@ AMAX_COLLECTION = "fp8_amax"
 VARIABLE_NAME = "fp8_dot"
 
 
-def _linen_variables(module: nn.Module, config: fp8.Fp8Config):
-  """The layer's fp8 state (created at init) and its amax probe, if given."""
+def _linen_variables(module: nn.Module, config: Any):
+  """The layer's fp8 state (created at init) and its amax probe, if given.
+
+  ``(None, None)`` for a recipe that keeps no state.
+  """
+  if config.init_state() is None:
+    return None, None
   if module.has_variable(STATE_COLLECTION, VARIABLE_NAME):
     state: Any = module.get_variable(STATE_COLLECTION, VARIABLE_NAME)
   elif module.is_mutable_collection(STATE_COLLECTION):
-    state = module.variable(STATE_COLLECTION, VARIABLE_NAME, fp8.init_dot_state, config).value
+    state = module.variable(STATE_COLLECTION, VARIABLE_NAME, config.init_state).value
   else:
     raise ValueError(
       f"Layer {'/'.join(module.path) or type(module).__name__} runs in fp8 but has no "
@@ -61,10 +66,10 @@ class LinenFp8DotGeneral(nn.Module):
   reads the loss scale from :func:`loss_scale_scope`.
 
   Attributes:
-    config: the fp8 recipe (``Fp8Config()`` by default).
+    config: the fp8 recipe (``CurrentScaling()`` by default).
   """
 
-  config: fp8.Fp8Config = fp8.Fp8Config()
+  config: Any = fp8.CurrentScaling()
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -80,13 +85,14 @@ class LinenFp8DotGeneral(nn.Module):
     Returns:
       The product.
     """
-    state, amax = _linen_variables(self, self.config)
-    return _bound_dot_general(state, amax, self.config)(
+    config = fp8.as_recipe(self.config)
+    state, amax = _linen_variables(self, config)
+    return _bound_dot_general(state, amax, config)(
       lhs, rhs, dimension_numbers, precision, preferred_element_type
     )
 
 
-def _linen_einsum(module: nn.Einsum, config: fp8.Fp8Config, inputs, einsum_str=None):
+def _linen_einsum(module: nn.Einsum, config: Any, inputs, einsum_str=None):
   """``nn.Einsum.__call__`` with the contraction in fp8.
 
   linen's Einsum calls ``jnp.einsum`` directly (no injection point), so this
@@ -124,7 +130,7 @@ def _linen_einsum(module: nn.Einsum, config: fp8.Fp8Config, inputs, einsum_str=N
 class _LinenFp8Einsum(nn.Einsum):
   """``nn.Einsum`` computing in fp8; what the interceptor calls in place of an Einsum."""
 
-  fp8_config: fp8.Fp8Config = fp8.Fp8Config()
+  fp8_config: Any = fp8.CurrentScaling()
 
   @nn.compact
   def __call__(self, inputs, einsum_str=None):
@@ -155,8 +161,9 @@ def linen_interceptor(fp8_spec: Any = None) -> Callable[..., Any]:
   do subclasses of ``nn.Einsum`` (they may compute something else).
 
   Args:
-    fp8_spec: an :class:`~jmp_lite.fp8.Fp8Config` (default ``Fp8Config()``),
-      an :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
+    fp8_spec: an fp8 recipe (default :class:`~jmp_lite.fp8.CurrentScaling`;
+      an :class:`~jmp_lite.fp8.Fp8Config` is delayed scaling), an
+      :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
       ``"p=f32,c=bf16,o=f32,fp8=hybrid"``. A policy without fp8 gives an
       interceptor that changes nothing.
 
@@ -193,8 +200,8 @@ def linen_fp8(fp8_spec: Any = None, *, loss_scale: Any = None) -> Iterator[None]
   scales compose with it.
 
   Args:
-    fp8_spec: an :class:`~jmp_lite.fp8.Fp8Config`, an
-      :class:`~jmp_lite.fp8.Fp8Policy` or a policy string, as in
+    fp8_spec: an fp8 recipe, an :class:`~jmp_lite.fp8.Fp8Policy` or a policy
+      string, as in
       :func:`linen_interceptor`.
     loss_scale: the loss scale the gradients carry, as in
       :func:`loss_scale_scope`; set for the code inside (``None`` is 1, and

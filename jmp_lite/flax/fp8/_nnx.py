@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import fp8
-from jmp_lite._fp8_config import as_config
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
 from jmp_lite.flax.fp8._common import config_of_spec, loss_scale_scope, op_options
 
@@ -29,21 +28,27 @@ class NnxFp8DotGeneral(nnx.Module):
   Variables (named like ``flax.linen.fp8_ops``): ``{input,kernel,output_grad}_scale``
   and ``..._amax_history`` (:class:`Fp8State`), ``..._amax`` (:class:`Fp8Amax`).
 
+  A recipe that keeps no state (:class:`~jmp_lite.fp8.CurrentScaling`) gives
+  an op without variables.
+
   Args:
-    config: the fp8 recipe (``Fp8Config()`` by default).
+    config: the fp8 recipe (``CurrentScaling()`` by default).
   """
 
-  def __init__(self, config: fp8.Fp8Config | None = None):
-    self.config = as_config(config)
-    state = fp8.init_dot_state(self.config)
-    for name, tensor in zip(fp8.Fp8DotState._fields, state, strict=True):
+  def __init__(self, config: Any = None):
+    self.config = fp8.as_recipe(config)
+    state = self.config.init_state()
+    self.stateful = state is not None
+    for name, tensor in zip(fp8.Fp8DotState._fields, state or (), strict=False):
       setattr(self, f"{name}_scale", Fp8State(tensor.scale))
       setattr(self, f"{name}_amax_history", Fp8State(tensor.amax_history))
       setattr(self, f"{name}_amax", Fp8Amax(jnp.zeros((), jnp.float32)))
 
   @property
-  def dot_state(self) -> fp8.Fp8DotState:
-    """The current :class:`~jmp_lite.fp8.Fp8DotState`."""
+  def dot_state(self) -> fp8.Fp8DotState | None:
+    """The current :class:`~jmp_lite.fp8.Fp8DotState` (``None`` without state)."""
+    if not self.stateful:
+      return None
     return fp8.Fp8DotState(
       *(
         fp8.Fp8ScaleState(
@@ -55,8 +60,10 @@ class NnxFp8DotGeneral(nnx.Module):
     )
 
   @property
-  def amax(self) -> fp8.Fp8DotAmax:
+  def amax(self) -> fp8.Fp8DotAmax | None:
     """The probe values (zeros, or observations between ``nnx.update`` and ``commit``)."""
+    if not self.stateful:
+      return None
     return fp8.Fp8DotAmax(
       *(getattr(self, f"{name}_amax").get_value() for name in fp8.Fp8DotAmax._fields)
     )
@@ -68,6 +75,8 @@ class NnxFp8DotGeneral(nnx.Module):
       axis_name: under ``shard_map``/``pmap``, max-reduce the observations over
         this axis first (see :func:`jmp_lite.fp8.update`).
     """
+    if not self.stateful:
+      return
     new = fp8.update(self.dot_state, self.amax, self.config, axis_name=axis_name)
     for name, tensor in zip(fp8.Fp8DotState._fields, new, strict=True):
       getattr(self, f"{name}_scale").set_value(tensor.scale)
@@ -98,7 +107,7 @@ class NnxFp8Einsum(NnxFp8DotGeneral):
   """An fp8 einsum for the ``einsum_op`` slot of ``nnx.Einsum``.
 
   Args:
-    config: the fp8 recipe (``Fp8Config()`` by default).
+    config: the fp8 recipe (``CurrentScaling()`` by default).
   """
 
   def __call__(self, subscripts, lhs, rhs, precision=None, **options):  # type: ignore[override]
@@ -117,7 +126,7 @@ class NnxFp8Einsum(NnxFp8DotGeneral):
     return self._run(fp8.einsum, subscripts, lhs, rhs, precision=precision, **options)
 
 
-def _install(layer: Any, config: fp8.Fp8Config) -> bool:
+def _install(layer: Any, config: Any) -> bool:
   """Puts an fp8 op into one layer's matmul slot; False if the user set their own."""
   if isinstance(layer, nnx.Einsum):
     if isinstance(layer.einsum_op, NnxFp8Einsum):
@@ -146,8 +155,9 @@ def nnx_fp8(model: nnx.Module, fp8_spec: Any = None) -> nnx.Module:
 
   Args:
     model: the NNX model.
-    fp8_spec: an :class:`~jmp_lite.fp8.Fp8Config` (default ``Fp8Config()``),
-      an :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
+    fp8_spec: an fp8 recipe (default :class:`~jmp_lite.fp8.CurrentScaling`;
+      an :class:`~jmp_lite.fp8.Fp8Config` is delayed scaling), an
+      :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
       ``"p=f32,c=bf16,o=f32,fp8=hybrid"``. A policy without fp8 leaves the
       model as it is.
 

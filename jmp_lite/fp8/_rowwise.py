@@ -1,0 +1,126 @@
+r"""Row-wise scaling: a power-of-two scale per row of each operand along its contraction (private).
+
+Each matmul is first brought to the canonical form ``[B, M, K] x [B, N, K] -> [B, M, N]``
+(batch, free and contracting axes flattened, the contraction last), where a "row" of an operand
+is everything but its contracting axes:
+
+.. math::
+
+  s_a[b, m] = 2^{\lceil \log_2 (\max_k |a_{bmk}| / \text{fp8\_max}) \rceil}, \qquad
+  y_{bmn} = \Big(\sum_k q(a)_{bmk}\, q(b)_{bnk}\Big)_{\text{fp32}} s_a[b, m]\, s_b[b, n].
+
+The backward pass quantizes each of its products again along *its* contraction: the input
+gradient :math:`g\, k^\top` contracts the output axis (rows of :math:`g` and of :math:`k^\top`),
+the weight gradient :math:`x^\top g` contracts the batch of tokens (columns of :math:`x` and
+:math:`g`). Residuals are the high-precision operands.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_lite import _dtypes as dtypes
+from jmp_lite._fp8_config import F32
+from jmp_lite.fp8._matmul import power_of_2_above
+from jmp_lite.fp8._quantize import quantize
+
+
+def row_scales(x: jax.Array, dtype: Any) -> jax.Array:
+  r"""One power-of-two scale per row (all axes but the last) of ``x``, rounded up.
+
+  .. math:: s = 2^{\lceil \log_2 (\max|x_{\text{row}}| / \text{fp8\_max}) \rceil}
+
+  A row that is all zeros, or holds inf/NaN, gets a scale of 1 (its zeros stay zeros, and its
+  non-finite values stay non-finite through :func:`quantize`).
+
+  Args:
+    x: a floating array; rows are its last axis.
+    dtype: the fp8 format.
+
+  Returns:
+    float32 scales of shape ``x.shape[:-1] + (1,)``.
+  """
+  fp8_max = dtypes.FORMATS[np.dtype(dtype).name].max
+  amax = jnp.max(jnp.abs(x.astype(F32)), axis=-1, keepdims=True, initial=0)
+  usable = jnp.isfinite(amax) & (amax > 0)
+  scale = power_of_2_above(jnp.where(usable, amax, fp8_max) / jnp.float32(fp8_max))
+  return jnp.where(usable & (scale > 0), scale, 1.0)
+
+
+def _rowwise_product(a, b, a_dtype, b_dtype, out_dtype, precision) -> jax.Array:
+  """``[B, M, K] x [B, N, K] -> [B, M, N]``, each row quantized with its own scale."""
+  s_a, s_b = row_scales(a, a_dtype), row_scales(b, b_dtype)
+  q_a, q_b = quantize(a, s_a, a_dtype), quantize(b, s_b, b_dtype)
+  dims = (((2,), (2,)), ((0,), (0,)))
+  out = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=F32)
+  return (out * (s_a * jnp.swapaxes(s_b, 1, 2))).astype(out_dtype)
+
+
+class RowwiseSpec(NamedTuple):
+  """The static part of one row-wise matmul (canonical form)."""
+
+  fwd_dtype: np.dtype
+  bwd_dtype: np.dtype
+  weight_grad_fp8: bool  # False: the weight gradient in the compute dtype
+  out_dtype: np.dtype
+  a_dtype: np.dtype
+  b_dtype: np.dtype
+  precision: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rowwise_matmul(a, b, spec: RowwiseSpec):
+  """``[B, M, K] x [B, N, K] -> [B, M, N]`` with row-wise fp8 scaling and its VJP."""
+  return _rowwise_product(a, b, spec.fwd_dtype, spec.fwd_dtype, spec.out_dtype, spec.precision)
+
+
+def _fwd(a, b, spec):
+  return rowwise_matmul(a, b, spec), (a, b)
+
+
+def _bwd(spec, residuals, g):
+  a, b = residuals
+  t = lambda x: jnp.swapaxes(x, 1, 2)
+  # da[B, M, K] = g[B, M, N] . b^T[B, K, N]: rows of g and of b^T, along N.
+  da = _rowwise_product(g, t(b), spec.bwd_dtype, spec.fwd_dtype, spec.a_dtype, spec.precision)
+  if spec.weight_grad_fp8:  # db[B, N, K] = g^T[B, N, M] . a^T[B, K, M], along M
+    db = _rowwise_product(t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, spec.b_dtype, spec.precision)
+  else:  # in the compute dtype, summed in fp32
+    compute = jnp.result_type(g, a)
+    dims = (((1,), (1,)), ((0,), (0,)))
+    db = lax.dot_general(g.astype(compute), a.astype(compute), dims, preferred_element_type=F32)
+    db = db.astype(spec.b_dtype)
+  return da, db
+
+
+rowwise_matmul.defvjp(_fwd, _bwd)
+
+
+def canonical_dot(call: Any, matmul: Any) -> jax.Array:
+  """Runs ``matmul([B, M, K], [B, N, K]) -> [B, M, N]`` for any ``dot_general`` call.
+
+  Transposes and reshapes both operands to the canonical form (batch, free, contracting
+  axes, flattened), and the result back to ``dot_general``'s layout (batch, lhs free, rhs
+  free); JAX differentiates the reshapes.
+  """
+  (lc, rc), (lb, rb) = call.dims
+  lhs, rhs = call.lhs, call.rhs
+  free = lambda x, c, b: [i for i in range(x.ndim) if i not in c and i not in b]
+  lf, rf = free(lhs, lc, lb), free(rhs, rc, rb)
+  size = lambda x, axes: math.prod(x.shape[i] for i in axes)
+  batch = size(lhs, lb)
+  a = lax.transpose(lhs, (*lb, *lf, *lc)).reshape(batch, size(lhs, lf), size(lhs, lc))
+  b = lax.transpose(rhs, (*rb, *rf, *rc)).reshape(batch, size(rhs, rf), size(rhs, rc))
+  out = matmul(a, b)
+  shape = [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lf] + [rhs.shape[i] for i in rf]
+  out = out.reshape(shape)
+  if call.out_sharding is not None:
+    out = jax.sharding.reshard(out, call.out_sharding)
+  return out
