@@ -117,6 +117,16 @@ def adamw_step(make_apply: Callable, precision: str | None = None) -> Callable[[
   return build
 
 
+def with_autocast(spec: str) -> Callable[[dict[str, int]], Callable]:
+  """The model as written, its ``apply`` run by :func:`jmp_lite.autocast` under ``spec``."""
+
+  def make(config):
+    model = TransformerLM(**config)
+    return jl.autocast(lambda params, tokens: model.apply({"params": params}, tokens), spec)
+
+  return make
+
+
 def with_nnx(dtype: Any = None, spec: str | None = None) -> Callable[[dict[str, int]], Callable]:
   """The NNX LM's forward, built with ``dtype=`` or run by :func:`jmp_lite.flax.policy_view`
   under ``spec``; ``params`` is its ``nnx.State``."""
@@ -345,6 +355,9 @@ RECIPES: dict[str, Recipe] = {
     "policy bf16, `jlf.fused_dot_product_attention` (cuDNN)",
     adamw_step(with_policy(BF16_POLICY, overrides={nn.MultiHeadDotProductAttention: FUSED})),
   ),
+  "autocast_bf16": Recipe(
+    "`jl.autocast(model.apply)`, bf16", adamw_step(with_autocast(BF16_POLICY))
+  ),
   "nnx_flax_bf16": Recipe(
     "NNX, every layer `dtype=bfloat16`",
     nnx_params(adamw_step(with_nnx(jnp.bfloat16)), jnp.bfloat16),
@@ -374,6 +387,7 @@ PRIORITY = (
   "policy_bf16_layernorm_bf16",
   "policy_bf16_bf16_softmax",
   "policy_bf16_fused_attention",
+  "autocast_bf16",
 )
 SIZE_RECIPES = ("policy_bf16", "fp8", "fp8_fast")
 SAVED_HLO = ("flax_bf16", "policy_bf16", "fp8")  # with --save-hlo: their optimized HLO, gzipped
