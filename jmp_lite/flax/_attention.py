@@ -38,7 +38,10 @@ Array([[-0.5,  0. ,  0.5],
 ``MultiHeadDotProductAttention`` and NNX ``MultiHeadAttention``: it accepts
 the keyword arguments either passes, computes both matmuls with
 :func:`~jmp_lite.flax.accumulate.einsum` (16-bit products) and the softmax
-with :func:`softmax`.
+with :func:`softmax`. With its own einsums, no dropout and as many key as query
+heads, the softmax and ``p @ v`` share one backward pass, which takes the row
+sums :math:`\langle \bar p, p \rangle` as :math:`\langle \overline{out}, out \rangle`
+(FlashAttention's :math:`D`) instead of reading ``p`` and :math:`\bar p` again.
 """
 
 from __future__ import annotations
