@@ -7,10 +7,12 @@ rounded to the compute dtype for the ``p @ v`` matmul. On a GPU it runs
 :func:`jax.nn.dot_product_attention`'s cuDNN kernel (flash attention: the
 ``[heads, q_len, kv_len]`` scores and probabilities stay in on-chip memory, in
 fp32, and are recomputed in the backward pass), so neither pass writes a
-``T x T`` array. Everywhere else, and on a GPU where the installed JAX has no
-cuDNN kernel for the call (cuDNN absent, an unsupported head size or dtype), it
-runs :func:`~jmp_lite.flax.dot_product_attention` and says so with a
-:class:`FusedAttentionUnavailableWarning`.
+``T x T`` array. Everywhere else it runs
+:func:`~jmp_lite.flax.dot_product_attention`; where JAX refuses to trace
+cuDNN's kernel for the call (no cuDNN, a shape or dtype it does not support:
+JAX checks when it traces), that is what runs, and a
+:class:`FusedAttentionUnavailableWarning` says so. A refusal that JAX only
+raises when it lowers for a GPU is an error there, not a fallback.
 
 The kernel is chosen for the platform the program is lowered for
 (:func:`jax.lax.platform_dependent`), so one traced step compiles to the
