@@ -113,14 +113,11 @@ def _softmax(logits, where, axis):
     # is 0 - log(n): 1/n each.
     shifted = x - peak
     return jnp.exp(shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True)))
-  # 16-bit logits: exp(x - peak) / total, the form XLA:GPU's softmax rewriter
-  # fuses into one kernel (one read of the logits, one 16-bit write); dividing
-  # instead of subtracting log(total) is within an fp32 ulp, far below the
-  # 16-bit rounding of the logits and of the result. A fully masked row is
-  # exp(0) / n: 1/n each. Saying so with a select changes no value, but
-  # XLA:TPU then fuses the softmax into fewer passes (docs/benchmarks.md).
-  unnormalized = jnp.exp(x - peak)
-  probs = unnormalized / jnp.sum(unnormalized, axis=axis, keepdims=True)
+  probs = lax.platform_dependent(
+    cpu=lambda: _by_log_total(x, peak, axis), default=lambda: _by_total(x, peak, axis)
+  )
+  # A fully masked row is 1/n each in both forms. Saying so with a select changes
+  # no value, but XLA:TPU then fuses the softmax into fewer passes.
   if where is not None:
     probs = jnp.where(jnp.any(where, axis=axis, keepdims=True), probs, 1 / x.shape[axis])
   # The barrier makes the rounded probabilities the one array XLA keeps:
@@ -128,6 +125,23 @@ def _softmax(logits, where, axis):
   # the backward pass) and so keeps the logits alive until the backward pass,
   # and XLA:GPU writes the fp32 probabilities before rounding them.
   return lax.optimization_barrier(probs.astype(logits.dtype))
+
+
+def _by_total(x: jax.Array, peak: jax.Array, axis: int) -> jax.Array:
+  # exp(x - peak) / total: the form XLA:GPU's softmax rewriter fuses into one kernel
+  # (one read of the logits, one 16-bit write), and with which XLA:TPU moves fewer
+  # bytes (docs/benchmarks.md). Within an fp32 ulp of the log form, far below the
+  # 16-bit rounding of the logits and of the result.
+  unnormalized = jnp.exp(x - peak)
+  return unnormalized / jnp.sum(unnormalized, axis=axis, keepdims=True)
+
+
+def _by_log_total(x: jax.Array, peak: jax.Array, axis: int) -> jax.Array:
+  # exp(x - (peak + log(total))) on XLA:CPU, where the division form's last bit depends
+  # on how the rest of the program is fused: two programs computing the same values
+  # (tests/test_examples.py::test_split_loses_no_update) then drift apart.
+  log_total = jnp.log(jnp.sum(jnp.exp(x - peak), axis=axis, keepdims=True))
+  return jnp.exp(x - (peak + log_total))
 
 
 def _softmax_fwd(logits, where, axis):

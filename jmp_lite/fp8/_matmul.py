@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple, Protocol, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from jax import lax
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _validation
 from jmp_lite._context import Ambient
-from jmp_lite._fp8_config import F32, Fp8Config
+from jmp_lite._fp8_config import F32
 from jmp_lite._loss_scale import uniform_scale_value
 from jmp_lite.fp8 import _current_scaling, _sharding
 from jmp_lite.fp8._quantize import compute_amax, quantize
@@ -129,7 +129,20 @@ class DotSpec(NamedTuple):
   power_of_2: bool = False  # current scales rounded up to a power of two
 
 
-def _precisions(config: Fp8Config) -> tuple[Any, Any]:
+class PerTensorFormats(Protocol):
+  """What the per-tensor matmul reads of a recipe (``Fp8Config``, ``CurrentScaling``)."""
+
+  @property
+  def fwd_dtype(self) -> Any: ...
+  @property
+  def bwd_dtype(self) -> Any: ...
+  @property
+  def margin(self) -> float: ...
+  @property
+  def fast_accumulation(self) -> str: ...
+
+
+def _precisions(config: PerTensorFormats) -> tuple[Any, Any]:
   """(forward, backward) matmul precisions for ``config.fast_accumulation``.
 
   XLA:GPU accumulates an fp8 GEMM with Hopper's fast (fewer-bit) accumulator
@@ -315,7 +328,7 @@ def per_tensor_dot(
   call: DotCall,
   state: Fp8DotState | None,
   amax: Fp8DotAmax | None,
-  config: Fp8Config,
+  config: PerTensorFormats,
   *,
   current: bool,
   power_of_2: bool = False,
