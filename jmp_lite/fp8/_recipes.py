@@ -71,8 +71,37 @@ def _refuse_state(recipe: Any, state: Any, amax: Any) -> None:
     )
 
 
+class _Stateless:
+  """A recipe whose scales come from the tensors themselves: no state, no amax to observe."""
+
+  def init_state(self) -> None:
+    """A stateless recipe keeps no state.
+
+    Returns:
+      ``None``.
+    """
+    return None
+
+  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
+    """The matmul of a call under this recipe.
+
+    Args:
+      call: the checked call.
+      state: must be ``None``.
+      amax: must be ``None`` (nothing to observe).
+
+    Returns:
+      The product.
+    """
+    _refuse_state(self, state, amax)
+    return self._product(call)
+
+  def _product(self, call: DotCall) -> jax.Array:
+    raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(_Stateless):
   r"""Per-tensor current scaling: each tensor scaled by its own amax, just in time (default).
 
   .. math:: s_x = \frac{\max|x| \cdot 2^{\text{margin}}}{\text{fp8\_max}}, \qquad
@@ -116,26 +145,8 @@ class CurrentScaling:
       _validation.check_choice(self.fast_accumulation, "fast_accumulation", FAST_ACCUMULATION),
     )
 
-  def init_state(self) -> None:
-    """Current scaling keeps no state.
-
-    Returns:
-      ``None``.
-    """
-    return None
-
-  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
-    """The per-tensor matmul with every scale from its tensor's own amax.
-
-    Args:
-      call: the checked call.
-      state: must be ``None``.
-      amax: must be ``None`` (nothing to observe).
-
-    Returns:
-      The product.
-    """
-    _refuse_state(self, state, amax)
+  def _product(self, call: DotCall) -> jax.Array:
+    """The per-tensor matmul with every scale from its tensor's own amax."""
     return per_tensor_dot(call, None, None, self, current=True, power_of_2=self.power_of_2)
 
 
@@ -178,7 +189,7 @@ WEIGHT_GRADS = ("fp8", "compute_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
-class RowwiseScaling:
+class RowwiseScaling(_Stateless):
   r"""Row-wise scaling: one power-of-two scale per row of each operand along its contraction.
 
   .. math:: s_x[m] = 2^{\lceil \log_2(\max_k |x_{mk}| / \text{fp8\_max}) \rceil}, \qquad
@@ -213,26 +224,8 @@ class RowwiseScaling:
       _validation.check_choice(self.fast_accumulation, "fast_accumulation", FAST_ACCUMULATION),
     )
 
-  def init_state(self) -> None:
-    """Row-wise scaling keeps no state.
-
-    Returns:
-      ``None``.
-    """
-    return None
-
-  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
-    """The row-wise matmul of a call.
-
-    Args:
-      call: the checked call.
-      state: must be ``None``.
-      amax: must be ``None``.
-
-    Returns:
-      The product.
-    """
-    _refuse_state(self, state, amax)
+  def _product(self, call: DotCall) -> jax.Array:
+    """The row-wise matmul of a call."""
     fast = self.fast_accumulation != "none"
     spec = RowwiseSpec(
       self.fwd_dtype,
@@ -247,7 +240,7 @@ class RowwiseScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockScaling:
+class BlockScaling(_Stateless):
   r"""Block scaling as DeepSeek-V3 trains: fp32 scales per tile, fp32 sums every 128 of K.
 
   The input and the output gradient get one scale per 1 x 128 tile (one row, 128 elements of
@@ -271,26 +264,8 @@ class BlockScaling:
   def __post_init__(self):
     object.__setattr__(self, "dtype", as_fp8_dtype(self.dtype, "dtype"))
 
-  def init_state(self) -> None:
-    """Block scaling keeps no state.
-
-    Returns:
-      ``None``.
-    """
-    return None
-
-  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
-    """The block-scaled matmul of a call.
-
-    Args:
-      call: the checked call.
-      state: must be ``None``.
-      amax: must be ``None``.
-
-    Returns:
-      The product.
-    """
-    _refuse_state(self, state, amax)
+  def _product(self, call: DotCall) -> jax.Array:
+    """The block-scaled matmul of a call."""
     spec = BlockSpec(
       self.dtype, TILE, call.out_dtype, call.lhs.dtype, call.rhs.dtype, jax.lax.Precision.HIGHEST
     )
@@ -301,7 +276,7 @@ MX_IMPLEMENTATIONS = ("emulated", "scaled_dot_general")
 
 
 @dataclasses.dataclass(frozen=True)
-class Mxfp8Scaling:
+class Mxfp8Scaling(_Stateless):
   r"""MXFP8: one E8M0 (power-of-two) scale per 32 elements of each operand's contraction.
 
   .. math:: s = 2^{\lceil \log_2(\max_{\text{block}} |x| / \text{fp8\_max}) \rceil}
@@ -334,26 +309,8 @@ class Mxfp8Scaling:
       _validation.check_choice(self.implementation, "implementation", MX_IMPLEMENTATIONS),
     )
 
-  def init_state(self) -> None:
-    """MXFP8 keeps no state.
-
-    Returns:
-      ``None``.
-    """
-    return None
-
-  def dot_general(self, call: DotCall, state: Any, amax: Any) -> jax.Array:
-    """The MXFP8 matmul of a call.
-
-    Args:
-      call: the checked call.
-      state: must be ``None``.
-      amax: must be ``None``.
-
-    Returns:
-      The product.
-    """
-    _refuse_state(self, state, amax)
+  def _product(self, call: DotCall) -> jax.Array:
+    """The MXFP8 matmul of a call."""
     if self.implementation == "scaled_dot_general":
       return canonical_dot(call, lambda a, b: native_matmul(a, b, call.out_dtype))
     spec = MxSpec(self.fwd_dtype, self.bwd_dtype, call.out_dtype, call.lhs.dtype, call.rhs.dtype)

@@ -128,6 +128,28 @@ def test_dot_product_attention_matches_flax(heads, kv_heads):
   np.testing.assert_allclose(f32(half), ref, atol=0.05)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_dot_product_attention_gradients_match_flax_with_a_fully_masked_row(heads, kv_heads):
+  # With as many key as query heads the backward pass takes its row sums from the output;
+  # with grouped heads from the probabilities. Both are Flax's gradients in fp32, and the
+  # fully masked row (uniform, independent of the logits) has Flax's gradient too.
+  q, k, v = (
+    _random((2, 5, heads, 8), 5),
+    _random((2, 6, kv_heads, 8), 6),
+    _random((2, 6, kv_heads, 8), 7),
+  )
+  mask = jnp.asarray(np.random.default_rng(8).random((2, 1, 5, 6)) > 0.2).at[1, 0, 2].set(False)
+  bias, weights = _random((1, heads, 5, 6), 9), _random((2, 5, heads, 8), 10)
+
+  def grads(attention):
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, bias=bias, mask=mask) * weights)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  pairs = zip(grads(jlf.dot_product_attention), grads(nnx.dot_product_attention), strict=True)
+  for ours, ref in pairs:
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
 def test_dot_product_attention_dropout_and_sow_match_flax():
   q, k, v = _random((2, 5, 2, 4), 0), _random((2, 5, 2, 4), 1), _random((2, 5, 2, 4), 2)
   kwargs = dict(dropout_rng=jax.random.key(0), dropout_rate=0.3, deterministic=False)
