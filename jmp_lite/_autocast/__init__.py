@@ -2,10 +2,12 @@
 
 ``_table`` (the op table and its rules), ``_interpret`` (the jaxpr interpreter
 that applies it, higher-order primitives included), ``_api`` (``autocast``,
-``full_precision``).
+``full_precision``), ``_program`` (the table applied to a program whose dtypes are chosen:
+the Flax entry points).
 """
 
 from jmp_lite._autocast._api import autocast, full_precision
+from jmp_lite._autocast._program import rewrite
 from jmp_lite._autocast._table import AUTOCAST_TABLE
 
-__all__ = ["AUTOCAST_TABLE", "autocast", "full_precision"]
+__all__ = ["AUTOCAST_TABLE", "autocast", "full_precision", "rewrite"]

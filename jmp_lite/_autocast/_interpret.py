@@ -25,6 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _jaxpr
+from jmp_lite._autocast._broadcast import (
+  ELEMENTWISE,
+  broadcast_summing_in_fp32,
+  elementwise_summing_in_fp32,
+)
 from jmp_lite._autocast._from_output import DERIVATIVES, wide_and_narrow
 from jmp_lite._autocast._table import LINEAR
 from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
@@ -106,7 +111,9 @@ class Interpreter:
     for eqn in jaxpr.eqns:
       info = eqn.source_info
       names = prefix + info.name_stack
-      with source_info_util.user_context(info.traceback, name_stack=names):
+      # Each equation in the context it was traced in (its mesh, compute_on, XLA metadata),
+      # as jax.core.eval_jaxpr replays it.
+      with source_info_util.user_context(info.traceback, name_stack=names), eqn.ctx.manager:
         outs = self._eqn(eqn, [read(a) for a in eqn.invars], names)
       for var, value in zip(eqn.outvars, outs, strict=True):
         if not isinstance(var, _jaxpr.extend_core().DropVar):
@@ -148,8 +155,14 @@ class Interpreter:
       return self._at(eqn, ins, dtype, recompute=False)
     if rule == "cast":
       return self._convert(eqn, ins)
+    if rule == "sum_grad_float32":
+      return self._summing_in_fp32(eqn, ins)
+    return self._eqn_as_input(eqn, ins)
+
+  def _eqn_as_input(self, eqn: Any, ins: list[Value]) -> list[Value]:
+    """The equation at the dtypes of the program; a move carries the unrounded value along."""
     outs = self._bind(eqn, [v.narrow for v in ins])
-    if name in _MOVES and len(ins) == 1 and ins[0].wide is not None:
+    if eqn.primitive.name in _MOVES and len(ins) == 1 and ins[0].wide is not None:
       (wide,) = self._bind(eqn, [ins[0].wide])
       outs = [Value(outs[0].narrow, wide.narrow)]
     return outs
@@ -165,6 +178,28 @@ class Interpreter:
       outs = eqn.primitive.bind(*args, **params)
     outs = outs if eqn.primitive.multiple_results else [outs]
     return [Value(o) for o in outs]
+
+  def _summing_in_fp32(self, eqn: Any, ins: list[Value]) -> list[Value]:
+    """A broadcast (explicit, or of an elementwise operation's size-1 axes) of 16-bit
+    operands, whose gradient sums in fp32."""
+    shape = eqn.outvars[0].aval.shape
+    if eqn.primitive.name == "broadcast_in_dim":
+      (value,), (var,) = ins, eqn.invars
+      if not _broadcasts_16bit(var, shape):
+        return self._eqn_as_input(eqn, ins)
+      params = eqn.primitive.get_bind_params(eqn.params)
+      narrow = broadcast_summing_in_fp32(lambda y: eqn.primitive.bind(y, **params), value.narrow)
+      wide = None if value.wide is None else self._bind(eqn, [value.wide])[0].narrow
+      return [Value(narrow, wide)]
+    if eqn.primitive.name not in ELEMENTWISE:
+      return self._eqn_as_input(eqn, ins)
+    if not any(_broadcasts_16bit(var, shape) for var in eqn.invars):
+      return self._eqn_as_input(eqn, ins)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    out = elementwise_summing_in_fp32(
+      lambda *args: eqn.primitive.bind(*args, **params), [v.narrow for v in ins], shape
+    )
+    return [Value(out)]
 
   def _compute(self, eqn: Any, ins: list[Value]) -> list[Value]:
     """A matmul or convolution on compute-dtype operands; the result in the program dtype."""
@@ -313,6 +348,15 @@ class Interpreter:
       return [_match(o.narrow, v.aval) for o, v in zip(outs, closed.jaxpr.outvars, strict=True)]
 
     return jax.make_jaxpr(body)(*specs)
+
+
+def _broadcasts_16bit(var: Any, shape: tuple[int, ...]) -> bool:
+  """Whether ``var`` is a 16-bit variable (not a constant) broadcast to more elements."""
+  if _jaxpr.is_literal(var) or not hasattr(var.aval, "shape"):
+    return False
+  dtype = _jaxpr.dtype_of(var)
+  grows = int(np.prod(shape)) > int(np.prod(var.aval.shape))
+  return dtype is not None and is_16bit_float(dtype) and grows and len(var.aval.shape) <= len(shape)
 
 
 def _jax_nn_rule(eqn: Any) -> str | None:

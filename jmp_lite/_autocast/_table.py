@@ -11,7 +11,10 @@ A rule names how an equation's floating operands are read:
   promoted mixed operands to the widest: elementwise operations, comparisons,
   ``reduce_max``...). The default for a primitive the table does not list;
 * ``"cast"``: a ``convert_element_type`` the user wrote; its ``new_dtype`` is
-  kept, converting from the unrounded fp32 value where there is one.
+  kept, converting from the unrounded fp32 value where there is one;
+* ``"sum_grad_float32"``: as ``"input"``, but the gradient of a 16-bit operand the
+  equation broadcasts (``broadcast_in_dim``; the size-1 axes an ``add``, ``sub`` or
+  ``mul`` broadcasts), a sum of the cotangent over the broadcast axes, is summed in fp32.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-RULES = ("compute", "float32", "input", "cast")
+RULES = ("compute", "float32", "input", "cast", "sum_grad_float32")
 
 # Primitives whose derivative needs no value of their operands (linear): widened
 # without recomputation. The other fp32 primitives are recomputed in the backward
 # pass from their 16-bit operands (see ``_interpret``).
 LINEAR = frozenset({"reduce_sum", "cumsum"})
+
+# A broadcast, and the elementwise operations that broadcast size-1 axes of their operands.
+_BROADCASTING = ("broadcast_in_dim", "add", "add_any", "sub", "mul")
 
 _DEFAULT = {
   # torch.autocast: "lower precision" (matmul, conv*, bmm, baddbmm, linear)
@@ -56,6 +62,9 @@ _DEFAULT = {
   "cummin": "input",
   # the user's own casts
   "convert_element_type": "cast",
+  # torch.autocast: not listed (the gradient of a broadcast, a sum, runs in the cotangent's
+  # dtype): a bias, a norm's scale, a keepdims statistic
+  **dict.fromkeys(_BROADCASTING, "sum_grad_float32"),
 }
 
 AUTOCAST_TABLE: Mapping[str, str] = types.MappingProxyType(_DEFAULT)

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx, traverse_util
 from flax.core import FrozenDict, meta
 
+from jmp_lite._autocast import rewrite
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._policy_scope import policy_scope
 from jmp_lite.flax._explicit_dtypes import (
@@ -57,6 +58,7 @@ from jmp_lite.flax._module_policy import (
   ModulePrecision,
   as_module_policies,
   explicit_dtype,
+  rewrites_model_ops,
 )
 
 _PARAMS = "params"
@@ -246,6 +248,8 @@ def policy_apply(
 
 def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., Any]:
   param_dtype = policies.policy.param_dtype
+  compute = policies.policy.compute_dtype
+  model_ops = rewrites_model_ops(policies)
 
   def apply_fn(variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
     if not isinstance(variables, Mapping):
@@ -254,15 +258,19 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
         f"{type(variables).__name__}."
       )
 
-    def run(v):
+    def run(v, args, kwargs):
       with policy_scope(policies.policy):  # marks the model's equations for jl.audit
         return module.apply(v, *args, **kwargs)
 
     found: dict[str, ExplicitDtype] = {}
     params = variables.get(_PARAMS)
     if params is None:  # nothing to cast (e.g. a parameter-free model)
-      with nn.intercept_methods(_Interceptor(policies, None, found)):
-        out = run(variables)
+
+      def call_free(v, args, kwargs):
+        with nn.intercept_methods(_Interceptor(policies, None, found)):
+          return run(v, args, kwargs)
+
+      out = (rewrite(call_free, compute) if model_ops else call_free)(variables, args, kwargs)
       warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
       return out
 
@@ -274,7 +282,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
 
     def trace(v):
       nonlocal output_calls
-      run(v)
+      run(v, args, kwargs)
       output_calls = output_chain(discover.calls)
       discover.calls.clear()
 
@@ -288,8 +296,12 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
     cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
     if isinstance(variables, FrozenDict):
       cast = FrozenDict(cast)
-    with nn.intercept_methods(_Interceptor(policies, None, found, output_calls)):
-      out = run(cast)
+
+    def call(v, args, kwargs):
+      with nn.intercept_methods(_Interceptor(policies, None, found, output_calls)):
+        return run(v, args, kwargs)
+
+    out = (rewrite(call, compute) if model_ops else call)(cast, args, kwargs)
     warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
 
     mutable = kwargs.get("mutable", False)

@@ -54,6 +54,7 @@ from flax import nnx
 
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _validation
+from jmp_lite._matmul_precision import is_16bit_float
 from jmp_lite._policy import Policy, get_policy
 from jmp_lite.flax import _accumulate as accumulate
 from jmp_lite.flax._kernel_hooks import FLAX_HOOKS, KernelHook, kernel_updates
@@ -255,6 +256,7 @@ def _override_table(
 _OPTION_DEFAULTS = {
   "fp32_accumulation": True,
   "fp32_softmax": True,
+  "op_table": True,
   "grad_reduction_dtype": None,
   "explicit_dtypes": "warn",
 }
@@ -292,6 +294,13 @@ class ModulePolicies:
     fp32_softmax: give Flax's attention layers
       :func:`~jmp_lite.flax.dot_product_attention` (an fp32 softmax keeping
       16-bit residuals) when they compute in 16 bits.
+    op_table: apply :func:`~jmp_lite.autocast`'s op table to the operations
+      the model writes itself, inside and between its modules: under a 16-bit
+      policy a ``jax.nn.softmax``, the ``exp``/``log``/``rsqrt`` and the long
+      sums (``jnp.mean``, ``jnp.var``) of a hand-written norm compute in fp32
+      (16-bit residuals kept; docs/autocast.md). Matmuls keep the operands
+      their module gives them. ``False`` runs the model's own operations at
+      the dtypes its inputs have.
     grad_reduction_dtype: ``None`` (default) or ``float32``: the dtype in which
       the kernel gradients of 16-bit dense, convolution and einsum layers
       leave their matmuls, hence the dtype of their cross-device reduction
@@ -329,6 +338,7 @@ class ModulePolicies:
   overrides: Mapping[type, ModulePolicy | None]  # the defaults merged in
   fp32_accumulation: bool
   fp32_softmax: bool
+  op_table: bool
   grad_reduction_dtype: np.dtype | None
   explicit_dtypes: str
   _arguments: dict[str, Any]  # as given to __init__
@@ -342,6 +352,7 @@ class ModulePolicies:
     use_default_overrides: bool = True,
     fp32_accumulation: bool = True,
     fp32_softmax: bool = True,
+    op_table: bool = True,
     grad_reduction_dtype: dtypes.DTypeLike | None = None,
     explicit_dtypes: str = "warn",
   ):
@@ -359,6 +370,7 @@ class ModulePolicies:
       ),
       "fp32_accumulation": check_bool(fp32_accumulation, "fp32_accumulation"),
       "fp32_softmax": check_bool(fp32_softmax, "fp32_softmax"),
+      "op_table": check_bool(op_table, "op_table"),
       "grad_reduction_dtype": _check_grad_reduction_dtype(grad_reduction_dtype),
       "explicit_dtypes": _validation.check_choice(
         explicit_dtypes, "explicit_dtypes", _EXPLICIT_DTYPES, type_error=False
@@ -375,6 +387,7 @@ class ModulePolicies:
       "use_default_overrides": use_default_overrides,
       "fp32_accumulation": fp32_accumulation,
       "fp32_softmax": fp32_softmax,
+      "op_table": op_table,
       "grad_reduction_dtype": grad_reduction_dtype,
       "explicit_dtypes": explicit_dtypes,
     }
@@ -544,6 +557,15 @@ def _resolve(
 # The keywords policy_apply, policy_init and policy_view take beside a policy: those of
 # ModulePolicies.
 _OPTIONS = ("overrides", "use_default_overrides", *_OPTION_DEFAULTS)
+
+
+def rewrites_model_ops(policies: ModulePolicies) -> bool:
+  """Whether the entry points apply the op table: ``op_table`` is on and some module
+  computes in 16 bits (the policy's compute dtype or an override's)."""
+  computes = [policies.policy.compute_dtype] + [
+    p.compute_dtype for p in policies.overrides.values() if p is not None
+  ]
+  return policies.op_table and any(d is not None and is_16bit_float(d) for d in computes)
 
 
 def as_module_policies(

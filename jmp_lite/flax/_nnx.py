@@ -42,11 +42,13 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx.graph import is_graph_node
 
+from jmp_lite._autocast import rewrite
 from jmp_lite._context import Ambient
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._policy_scope import policy_scope
@@ -70,6 +72,7 @@ from jmp_lite.flax._module_policy import (
   ModulePrecision,
   as_module_policies,
   explicit_dtype,
+  rewrites_model_ops,
 )
 
 M = TypeVar("M", bound=nnx.Module)
@@ -104,6 +107,8 @@ class PolicyModule(nnx.Module):
     path: its path in the model (to find the model's output layers).
     policy: the view's policy, on the view's root: its calls run in a policy
       scope, which marks the model's equations for ``jl.audit``.
+    model_ops: on the view's root: apply the op table to the model's own
+      operations (``op_table`` of :class:`~jmp_lite.flax.ModulePolicies`).
 
   The calls of the module that compute the view's output (found on the view's
   first call) return the policy's output dtype; its other calls (a tied
@@ -118,6 +123,7 @@ class PolicyModule(nnx.Module):
     recompute: bool = False,
     path: tuple = (),
     policy: Policy | None = None,
+    model_ops: bool = False,
   ):
     self.module = module
     self._compute_dtype = np.dtype(compute_dtype)
@@ -125,6 +131,7 @@ class PolicyModule(nnx.Module):
     self._recompute = bool(recompute)
     self._path = tuple(path)
     self._policy = policy
+    self._model_ops = bool(model_ops)
     # The calls in the view's output chain, the dtype they return and the attributes
     # their module runs with (the fp32 output kernels); set on the first call.
     self._wide_calls: frozenset[CallKey] = frozenset()
@@ -132,10 +139,47 @@ class PolicyModule(nnx.Module):
     self._wide_attributes: tuple[tuple[str, Any], ...] = ()
 
   def _cast_call(self, method: str, fn, *args, **kwargs):
-    if not self._path:  # the view's root: number the calls made inside this one
-      with _CALLS.scope(CallCounter()), policy_scope(self._policy):
-        return self._numbered_call(method, fn, args, kwargs)
-    return self._numbered_call(method, fn, args, kwargs)
+    if self._path:
+      return self._numbered_call(method, fn, args, kwargs)
+    if self._model_ops and _DISCOVERY.current() is None:
+      return self._rewritten_call(method, args, kwargs)
+    with _CALLS.scope(CallCounter()), policy_scope(self._policy):  # number the calls inside
+      return self._numbered_call(method, fn, args, kwargs)
+
+  def _rewritten_call(self, method: str, args: tuple, kwargs: dict) -> Any:
+    """The root's call with the op table applied to the model's own operations.
+
+    The rewrite traces the call as a pure function: the view and the NNX objects among the
+    arguments (``Rngs``) go in as their state and come out updated, and only the Variables
+    whose value the call changed (batch statistics, RNG counts) are written back.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_graph_node)
+    node_at = [i for i, x in enumerate(leaves) if is_graph_node(x)]
+    array_at = [i for i, x in enumerate(leaves) if is_array(x)]
+    graphdef, state = nnx.split((self, [leaves[i] for i in node_at]))
+
+    def pure(state, arrays):
+      root, nodes = nnx.merge(graphdef, state)
+      full = list(leaves)
+      for i, x in (*zip(node_at, nodes, strict=True), *zip(array_at, arrays, strict=True)):
+        full[i] = x
+      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      fn = root.module if method == "__call__" else getattr(root.module, method)
+      with _CALLS.scope(CallCounter()), policy_scope(root._policy):
+        out = root._numbered_call(method, fn, a, k)
+      return out, nnx.state((root, nodes))
+
+    out, updated = rewrite(pure, self._compute_dtype)(state, [leaves[i] for i in array_at])
+    changed = [
+      (path, new)
+      for (path, old), (_, new) in zip(
+        nnx.to_flat_state(state), nnx.to_flat_state(updated), strict=True
+      )
+      if not _same_leaves(new, old)
+    ]
+    if changed:
+      nnx.update((self, [leaves[i] for i in node_at]), nnx.from_flat_state(changed))
+    return out
 
   def _numbered_call(self, method: str, fn, args: tuple, kwargs: dict) -> Any:
     counter = _CALLS.current()
@@ -220,6 +264,12 @@ class PolicyModule(nnx.Module):
     if callable(value) and getattr(value, "__self__", None) is self.module:
       return functools.partial(self._cast_call, name, value)
     return value
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+  """Whether two Variables' values are the same objects (a call left it unchanged)."""
+  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, ModulePrecision]:
@@ -334,8 +384,9 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict[str, E
       output = r.root_output_dtype if not path else r.output_dtype
       root_policy = None if path else policies.policy
       wrappers[tuple(path)] = PolicyModule(
-        node, r.compute_dtype, output, r.recompute, path, root_policy
-      )
+        node, r.compute_dtype, output, r.recompute, path, root_policy,
+        model_ops=not path and rewrites_model_ops(policies),
+      )  # fmt: skip
       return wrappers[tuple(path)]
     return node
 

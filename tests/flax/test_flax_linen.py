@@ -215,14 +215,18 @@ def test_overrides_are_honoured(lm):
   )
   assert remats(jlf.policy_apply(model, POLICY)) == 3
   assert remats(jlf.policy_apply(model, POLICY, overrides={nn.LayerNorm: None})) == 0
-  # A user attribute beats jmp_lite's kernel: Flax's attention, bf16 softmax.
-  flax_attention = jlf.ModulePolicy(attributes={"attention_fn": nn.dot_product_attention})
-  jaxpr = loss(
-    jlf.policy_apply(model, POLICY, overrides={nn.MultiHeadDotProductAttention: flax_attention})
-  )
+  # A user attribute beats jmp_lite's kernel: Flax's attention, bf16 softmax (with the op
+  # table off; with it on, the op table computes Flax's softmax in fp32).
+  flax_attention = {nn.MultiHeadDotProductAttention: jlf.ModulePolicy(
+    attributes={"attention_fn": nn.dot_product_attention}
+  )}  # fmt: skip
+  jaxpr = loss(jlf.policy_apply(model, POLICY, overrides=flax_attention, op_table=False))
   assert BF16 in primitive_dtypes(jaxpr, "exp")
+  jaxpr = loss(jlf.policy_apply(model, POLICY, overrides=flax_attention))
+  assert primitive_dtypes(jaxpr, "exp") == {F32}
   # Kernels switched off: Flax's bf16 matmuls and softmax come back.
-  jaxpr = loss(jlf.policy_apply(model, POLICY, fp32_accumulation=False, fp32_softmax=False))
+  off = {"fp32_accumulation": False, "fp32_softmax": False, "op_table": False}
+  jaxpr = loss(jlf.policy_apply(model, POLICY, **off))
   assert BF16 in primitive_dtypes(jaxpr, "dot_general") and BF16 in primitive_dtypes(jaxpr, "exp")
   # An output dtype override.
   apply = jlf.policy_apply(
