@@ -38,7 +38,8 @@ def _linen_variables(module: nn.Module, config: Any):
     raise ValueError(
       f"Layer {'/'.join(module.path) or type(module).__name__} runs in fp8 but has no "
       f"'{STATE_COLLECTION}' variables: pass the '{STATE_COLLECTION}' collection that init "
-      f"returned to apply (inside linen_fp8 at init too), or make it mutable."
+      f"returned to apply (inside linen_fp8 at init too, with the same placement), or make it "
+      "mutable."
     )
   if module.has_variable(AMAX_COLLECTION, VARIABLE_NAME):
     return state, module.get_variable(AMAX_COLLECTION, VARIABLE_NAME)
