@@ -285,11 +285,13 @@ def _fp8_build(config: dict, spec: str, config_kwargs: dict) -> Step:
       flax_fp8.STATE_COLLECTION: fp8_state,
       flax_fp8.AMAX_COLLECTION: amax,
     }
-    with flax_fp8.linen_fp8(fp8_config):  # outside the policy's interceptor, as documented
+    # Outside the policy's interceptor, as documented; every Dense in fp8, as recorded.
+    with flax_fp8.linen_fp8(fp8_config, placement=jl.fp8.ALL_LAYERS):
       return lm_loss(apply(variables, tokens), tokens)
 
   def calibrated_state(params, tokens):
-    with flax_fp8.linen_fp8(fp8_config):  # a fresh state (scales 1), then calibrated
+    # A fresh state (no scales yet), then calibrated.
+    with flax_fp8.linen_fp8(fp8_config, placement=jl.fp8.ALL_LAYERS):
       fresh = model.init(jax.random.key(0), tokens)[flax_fp8.STATE_COLLECTION]
     fun = lambda amax: loss_fn(params, amax, fresh, tokens)
     return jl.fp8.calibrate(fun, fresh, fp8_config)

@@ -261,7 +261,8 @@ class Forward:
       if self.recipe.legacy:
         stack.enter_context(legacy_fp8_dots())
       if self.recipe.fp8_config is not None:
-        stack.enter_context(flax_fp8.linen_fp8(self.recipe.fp8_config))
+        # Every Dense in fp8: the checks are layer by layer.
+        stack.enter_context(flax_fp8.linen_fp8(self.recipe.fp8_config, placement=fp8.ALL_LAYERS))
       if capture:
         stack.enter_context(nn.intercept_methods(_sow_attention_weights))
       yield
@@ -705,7 +706,7 @@ def diagnose(
     config = make_recipe("fp8").fp8_config
 
     def calibrated(params, tokens):
-      with flax_fp8.linen_fp8(config):
+      with flax_fp8.linen_fp8(config, placement=fp8.ALL_LAYERS):
         fresh = model.init(jax.random.key(seed), tokens)[flax_fp8.STATE_COLLECTION]
       fwd = Forward(model, make_recipe("fp8"))
       loss = lambda amax: lm_loss(fwd(params, fresh, amax, tokens)[0], tokens)

@@ -696,7 +696,9 @@ def train(
     # docs/fp8.md asks, so the fp8 matmul replaces Flax's default dot_general.
     if fp8_config is None:
       return contextlib.nullcontext()
-    return flax_fp8.linen_fp8(fp8_config, loss_scale=loss_scale)
+    # Every Dense in fp8, the head included, as the recorded curves were run (the default
+    # placement keeps the first and last layers, and on CPU-sized layers every matmul, in bf16).
+    return flax_fp8.linen_fp8(fp8_config, loss_scale=loss_scale, placement=fp8.ALL_LAYERS)
 
   def init(key):
     with fp8_scope():

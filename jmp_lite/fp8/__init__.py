@@ -71,7 +71,8 @@ and its checks; below the policy module, which parses ``fp8=`` into it),
 ``_scaling`` (the state and its update rules), ``_quantize``, ``_recipes``
 (:class:`Fp8Recipe`, the recipes and :func:`dot_general`), ``_matmul`` (the
 per-tensor matmul and its VJP), ``_sharding`` (its shard_map and
-explicit-sharding typing), ``_einsum`` and ``_current_scaling``
+explicit-sharding typing), ``_placement`` (:class:`Fp8Placement`: which layers
+of a Flax model run in fp8), ``_einsum`` and ``_current_scaling``
 (:func:`current_scaling`, :func:`calibrate`); :class:`Fp8Policy` and
 :func:`get_fp8_policy` live with the other policies in ``jmp_lite._policy``.
 See ``docs/fp8.md`` for the design, the Flax integration
@@ -89,6 +90,7 @@ from jmp_lite._policy import Fp8Policy, get_fp8_policy
 from jmp_lite.fp8._current_scaling import CurrentScalingScope, calibrate, current_scaling
 from jmp_lite.fp8._einsum import einsum
 from jmp_lite.fp8._mx import native_support as mxfp8_native_support
+from jmp_lite.fp8._placement import ALL_LAYERS, Fp8Placement, MatmulRoofline, ShapeRule
 from jmp_lite.fp8._quantize import compute_amax, dequantize, quantize, quantize_dequantize
 from jmp_lite.fp8._recipes import (
   BlockScaling,
@@ -132,6 +134,11 @@ __all__ = (
   "Mxfp8Scaling",
   "mxfp8_native_support",
   "as_recipe",
+  # Where fp8 runs
+  "Fp8Placement",
+  "ALL_LAYERS",
+  "MatmulRoofline",
+  "ShapeRule",
   # The matmuls
   "dot_general",
   "einsum",

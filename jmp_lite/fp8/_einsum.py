@@ -125,6 +125,24 @@ def _einsum_plan(subscripts: str, lhs_shape: tuple, rhs_shape: tuple) -> _Einsum
   return _EinsumPlan(lhs_sum, rhs_sum, dims, tuple(result.index(c) for c in out))
 
 
+def einsum_dot_shapes(subscripts: str, lhs: jax.Array, rhs: jax.Array) -> tuple:
+  """The operand shapes and dimension numbers of the matmul :func:`einsum` computes.
+
+  Args:
+    subscripts: the equation.
+    lhs: the input.
+    rhs: the kernel.
+
+  Returns:
+    ``(lhs_shape, rhs_shape, dimension_numbers)``, after the indices only one
+    operand has are summed.
+  """
+  plan = _einsum_plan(subscripts, tuple(lhs.shape), tuple(rhs.shape))
+  lhs_shape = tuple(s for i, s in enumerate(lhs.shape) if i not in plan.lhs_sum)
+  rhs_shape = tuple(s for i, s in enumerate(rhs.shape) if i not in plan.rhs_sum)
+  return lhs_shape, rhs_shape, plan.dims
+
+
 def einsum(
   subscripts: str,
   lhs: jax.typing.ArrayLike,

@@ -41,7 +41,7 @@ def inputs(seed=0, shape=(6, 4)):
 
 def linen_init(model, x, fp8_spec=CONFIG):
   def init(x):
-    with flax_fp8.linen_fp8(fp8_spec):
+    with flax_fp8.linen_fp8(fp8_spec, placement=fp8.ALL_LAYERS):
       return model.init(jax.random.key(0), x)
 
   return jax.jit(init)(x)  # one compiled program: faster than op-by-op on CPU
@@ -51,7 +51,7 @@ def linen_init_shapes(model, x, fp8_spec=CONFIG):
   """The variables' shapes only (nothing is compiled)."""
 
   def init(x):
-    with flax_fp8.linen_fp8(fp8_spec):
+    with flax_fp8.linen_fp8(fp8_spec, placement=fp8.ALL_LAYERS):
       return model.init(jax.random.key(0), x)
 
   return jax.eval_shape(init, x)
@@ -87,7 +87,7 @@ def test_linen_interception_creates_state_and_keeps_params():
 
   @jax.jit
   def both(x):
-    with flax_fp8.linen_fp8(CONFIG):
+    with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
       ours = Layers().init(jax.random.key(0), x)
     return ours, Layers().init(jax.random.key(0), x)
 
@@ -107,7 +107,7 @@ def linen_outputs_and_observations(variables, x):
   params, state = variables["params"], variables[flax_fp8.STATE_COLLECTION]
 
   def loss(params, amax):
-    with flax_fp8.linen_fp8(CONFIG):
+    with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
       out = Layers().apply({"params": params, "fp8_state": state, "fp8_amax": amax}, x)
     return sum(jnp.sum(v * (i + 1)) for i, v in enumerate(out.values())), out
 
@@ -151,7 +151,7 @@ def test_linen_layers_compute_the_fp8_matmul():
 def test_linen_apply_needs_the_state_but_not_the_probes():
   x = inputs()
   variables = layers_variables()
-  with flax_fp8.linen_fp8(CONFIG):
+  with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
     out = Layers().apply(variables, x)  # evaluation: no probes, nothing observed
     with pytest.raises(ValueError, match="dense runs in fp8 but has no 'fp8_state'"):
       Layers().apply({"params": variables["params"]}, x)
@@ -178,7 +178,7 @@ def test_linen_interceptor_composes_with_an_inner_interceptor():
 
   @jax.jit
   def apply_both(variables, x):
-    with flax_fp8.linen_fp8(CONFIG):
+    with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
       plain = Layers().apply(variables, x)
       with nn.intercept_methods(double_inputs):
         return Layers().apply(variables, x), plain
@@ -198,7 +198,7 @@ def test_linen_interceptor_composes_with_an_inner_interceptor():
 
 def test_linen_einsum_bias_shapes_and_errors_match_flax():
   def ours(layer, x):
-    with flax_fp8.linen_fp8(CONFIG):
+    with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
       variables = layer.init(jax.random.key(0), x)
       return variables, layer.apply(variables, x)
 
@@ -213,7 +213,10 @@ def test_linen_einsum_bias_shapes_and_errors_match_flax():
     variables, y = jax.eval_shape(functools.partial(ours, layer), x)
     assert variables["params"] == plain["params"]
     assert y == jax.eval_shape(layer.apply, plain, x)
-  with flax_fp8.linen_fp8(CONFIG), pytest.raises(ValueError, match="must be explicit"):
+  with (
+    flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS),
+    pytest.raises(ValueError, match="must be explicit"),
+  ):
     nn.Einsum((4, 3), "bd,df").init(jax.random.key(0), inputs())
 
 
@@ -239,7 +242,7 @@ def test_linen_scan_over_layers_stacks_state_and_probes():
   @jax.jit
   def step(params, state):
     def loss(params, amax):
-      with flax_fp8.linen_fp8(CONFIG):
+      with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
         out = Stack().apply({"params": params, "fp8_state": state, "fp8_amax": amax}, x)
       return jnp.sum(out)
 
@@ -265,7 +268,9 @@ def test_linen_explicit_dot_general_injection_equals_interception():
   assert "LinenFp8DotGeneral_0" in injected["fp8_state"]
   state = fp8.update(state, fp8.Fp8DotAmax(*[jnp.float32(5.0)] * 3), CONFIG)
   injected["fp8_state"] = {"LinenFp8DotGeneral_0": {"fp8_dot": state}}
-  with flax_fp8.linen_fp8(CONFIG):  # interception leaves a layer with its own matmul alone
+  with flax_fp8.linen_fp8(
+    CONFIG, placement=fp8.ALL_LAYERS
+  ):  # interception leaves a layer with its own matmul alone
     y = dense.apply(injected, x)
   p = injected["params"]
   np.testing.assert_array_equal(y, fp8.dot_general(x, p["kernel"], DENSE, state) + p["bias"])
@@ -297,7 +302,9 @@ def test_loss_scale_scopes_nest_and_stay_in_their_thread():
 
   def observed_grad_amax(loss_scale_scopes=()):
     def loss(amax):
-      with nn.intercept_methods(flax_fp8.linen_interceptor(CONFIG)):  # sets no loss scale
+      with nn.intercept_methods(
+        flax_fp8.linen_interceptor(CONFIG, placement=fp8.ALL_LAYERS)
+      ):  # sets no loss scale
         y = dense.apply({**variables, flax_fp8.AMAX_COLLECTION: amax}, x)
       return jnp.sum(y) * 8.0  # output gradients of 8: a loss scaled by 8
 
@@ -336,7 +343,9 @@ class NnxLayers(nnx.Module):
 def nnx_abstract():
   """The fp8 NnxLayers model's shapes (nothing is computed: eager initializers compile op by
   op, seconds on a busy CPU)."""
-  return nnx.eval_shape(lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), CONFIG))
+  return nnx.eval_shape(
+    lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), CONFIG, placement=fp8.ALL_LAYERS)
+  )
 
 
 def nnx_like_linen(variables):
@@ -365,7 +374,7 @@ def test_nnx_fp8_installs_ops_and_matches_linen():
   assert isinstance(model.general.dot_general, flax_fp8.NnxFp8DotGeneral)
   assert isinstance(model.einsum.einsum_op, flax_fp8.NnxFp8Einsum)
   assert not isinstance(model.own.dot_general, flax_fp8.NnxFp8DotGeneral)
-  assert flax_fp8.nnx_fp8(model, CONFIG) is model  # idempotent
+  assert flax_fp8.nnx_fp8(model, CONFIG, placement=fp8.ALL_LAYERS) is model  # idempotent
   assert isinstance(model.dense.dot_general, flax_fp8.NnxFp8DotGeneral)
   linen_out, linen_grads, linen_amax = linen_outputs_and_observations(variables, x)
   nnx_out = model(x)
@@ -423,7 +432,7 @@ def test_nnx_fp8_leaves_other_models_and_optimizers_alone():
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   assert flax_fp8.nnx_fp8(model, "p=f32,fp8=none") is model
   assert model.dot_general is jax.lax.dot_general
-  flax_fp8.nnx_fp8(model, CONFIG)
+  flax_fp8.nnx_fp8(model, CONFIG, placement=fp8.ALL_LAYERS)
   # fp8 state is not a parameter: optimizers built on nnx.Param ignore it.
   assert len(jax.tree.leaves(nnx.state(model, nnx.Param))) == 2
   assert len(jax.tree.leaves(nnx.state(model, flax_fp8.Fp8State))) == 6
@@ -476,7 +485,7 @@ def test_linen_calibrate_then_first_step_has_only_rounding_error():
   params = variables["params"]
 
   def loss(params, state, amax):
-    with flax_fp8.linen_fp8(CONFIG):
+    with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
       collections = {"params": params, flax_fp8.STATE_COLLECTION: state}
       if amax is not None:
         collections[flax_fp8.AMAX_COLLECTION] = amax
@@ -663,7 +672,7 @@ def test_fp8_states_initialized_after_a_donated_step_have_buffers_of_their_own()
   x = inputs(shape=(2, 4))
 
   def linen_variables():
-    with flax_fp8.linen_fp8(CONFIG):
+    with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS):
       return nn.Dense(3).init(jax.random.key(0), x)
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -681,7 +690,7 @@ def test_fp8_states_initialized_after_a_donated_step_have_buffers_of_their_own()
     assert float(state[flax_fp8.VARIABLE_NAME].input.scale) == 0.0  # none yet
     linen_scales.append(float(linen_step(state)[flax_fp8.VARIABLE_NAME].input.scale))
     assert state[flax_fp8.VARIABLE_NAME].input.scale.is_deleted()
-    model = flax_fp8.nnx_fp8(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), CONFIG)
+    model = flax_fp8.nnx_fp8(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), CONFIG, placement=fp8.ALL_LAYERS)
     assert float(model.dot_general.input_scale.get_value()) == 0.0
     nnx_step(model)
     nnx_scales.append(float(model.dot_general.input_scale.get_value()))
@@ -747,7 +756,7 @@ def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
       collections = {"params": params}
       if stateful:
         collections.update({flax_fp8.STATE_COLLECTION: state, flax_fp8.AMAX_COLLECTION: amax})
-      with flax_fp8.linen_fp8(recipe, loss_scale=2.0**8):
+      with flax_fp8.linen_fp8(recipe, loss_scale=2.0**8, placement=fp8.ALL_LAYERS):
         return TINY_LOSS * 2.0**8 * jnp.sum(RematScanStack().apply(collections, x))
 
     return jax.grad(loss, argnums=(0, 1))(params, fp8.zeros_amax(state) if stateful else None)
@@ -779,7 +788,9 @@ def test_nnx_stateless_recipes_keep_no_state_and_first_step_flushes_nothing(reci
   2^-20 and the loss scale passed, the gradients equal linen's and none is zero."""
   x, targets = first_step_data()
   params = layers_variables()["params"]
-  model = nnx.eval_shape(lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), recipe))
+  model = nnx.eval_shape(
+    lambda: flax_fp8.nnx_fp8(NnxLayers(nnx.Rngs(0)), recipe, placement=fp8.ALL_LAYERS)
+  )
   graphdef, state = nnx.split(model)
   assert not nnx.to_pure_dict(nnx.split_state(state, flax_fp8.Fp8State, ...)[0])
   pure = nnx.to_pure_dict(state)
@@ -799,7 +810,7 @@ def test_nnx_stateless_recipes_keep_no_state_and_first_step_flushes_nothing(reci
   @jax.jit
   def linen_grads(params):
     def loss(params):
-      with flax_fp8.linen_fp8(recipe):
+      with flax_fp8.linen_fp8(recipe, placement=fp8.ALL_LAYERS):
         return first_step_loss(Layers().apply({"params": params}, x), targets)
 
     return jax.grad(loss)(params)

@@ -51,9 +51,14 @@ scales from a first batch instead (:func:`jmp_lite.fp8.calibrate`): linen's
 ``"fp8_state"`` is a pytree of :class:`~jmp_lite.fp8.Fp8DotState`, so
 ``fp8.calibrate`` applies to it as is; for NNX, ``nnx_calibrate(loss_fn)(model, *batch)``.
 
+Which layers run in fp8 is an :class:`~jmp_lite.fp8.Fp8Placement`
+(``placement=``; by default not the first and last matmul layers, nor matmuls
+too small to pay); :func:`placement_report` says where each layer ran, and why.
+
 The modules behind this namespace: ``_linen`` (interception and explicit
-injection), ``_nnx`` (the ops NNX layers hold, and the NNX training helpers)
-and ``_common`` (the fp8 spec and the loss-scale scope both halves read).
+injection), ``_nnx`` (the ops NNX layers hold, and the NNX training helpers),
+``_placement`` (the report, the checks of a placement and its warning) and
+``_common`` (the fp8 spec and the loss-scale scope both halves read).
 """
 
 from jmp_lite.flax.fp8._common import loss_scale_scope
@@ -75,6 +80,12 @@ from jmp_lite.flax.fp8._nnx import (
   nnx_update,
   nnx_value_and_grad,
 )
+from jmp_lite.flax.fp8._placement import (
+  Fp8PlacementWarning,
+  LayerPlacement,
+  PlacementReport,
+  placement_report,
+)
 
 __all__ = (
   # linen
@@ -95,4 +106,9 @@ __all__ = (
   "Fp8Amax",
   # The loss scale the fp8 ops read
   "loss_scale_scope",
+  # Where fp8 ran
+  "placement_report",
+  "PlacementReport",
+  "LayerPlacement",
+  "Fp8PlacementWarning",
 )

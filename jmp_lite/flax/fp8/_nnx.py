@@ -10,8 +10,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import fp8
+from jmp_lite._context import Ambient
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
 from jmp_lite.flax.fp8._common import config_of_spec, loss_scale_scope, op_options
+from jmp_lite.flax.fp8._placement import check_patterns, record, warn_if_no_fp8
+from jmp_lite.fp8._einsum import einsum_dot_shapes
+from jmp_lite.fp8._placement import Fp8Placement, as_placement, matmul_dims, positions
+
+# While nnx_fp8 looks for the first and last layers: the (path, input) of each op called.
+_DISCOVERY: Ambient[list] = Ambient("jmp_lite.flax.fp8.nnx_discovery")
 
 
 class Fp8State(nnx.Variable):
@@ -29,15 +36,30 @@ class NnxFp8DotGeneral(nnx.Module):
   and ``..._amax_history`` (:class:`Fp8State`), ``..._amax`` (:class:`Fp8Amax`).
 
   A recipe that keeps no state (:class:`~jmp_lite.fp8.CurrentScaling`) gives
-  an op without variables.
+  an op without variables, and so does an op ``kept`` in the compute dtype.
 
   Args:
     config: the fp8 recipe (``CurrentScaling()`` by default).
+    placement: the :class:`~jmp_lite.fp8.Fp8Placement` whose shape rule
+      decides each call (``nnx_fp8`` passes it; ``None``: every call in fp8).
+    path: the layer's path, for :func:`placement_report`.
+    kept: why the layer stays in the compute dtype whatever its shape, or
+      ``None`` (then the op runs in fp8).
   """
 
-  def __init__(self, config: Any = None):
+  def __init__(
+    self,
+    config: Any = None,
+    *,
+    placement: Fp8Placement | None = None,
+    path: str = "",
+    kept: str | None = None,
+  ):
     self.config = fp8.as_recipe(config)
-    state = self.config.init_state()
+    self.placement = placement
+    self.path = path
+    self.kept = kept
+    state = self.config.init_state() if kept is None else None
     self.stateful = state is not None
     for name, tensor in zip(fp8.Fp8DotState._fields, state or (), strict=False):
       setattr(self, f"{name}_scale", Fp8State(tensor.scale))
@@ -84,7 +106,20 @@ class NnxFp8DotGeneral(nnx.Module):
       probe = getattr(self, f"{name}_amax")
       probe.set_value(jnp.zeros_like(probe.get_value()))
 
-  def _run(self, op: Callable[..., jax.Array], *operands: Any, **options: Any) -> jax.Array:
+  def _run(self, op: Callable, plain: Callable, lhs: Any, operands: tuple, options: dict):
+    """``op`` (fp8) or ``plain`` (the layer's own matmul), as the placement decides."""
+    found = _DISCOVERY.current()
+    if found is not None:
+      found.append((self.path, lhs))
+      return plain(*operands, **options)
+    shape = matmul_dims(*self._shapes(*operands))
+    reason = self.kept
+    if reason is None and self.placement is not None:
+      reason = self.placement.shape_reason(*shape)
+    if self.placement is not None:
+      record(self.path, reason, shape)
+    if reason is not None:
+      return plain(*operands, **options)
     return op(*operands, self.dot_state, self.amax, **op_options(self.config, **options))
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, **options):
@@ -100,14 +135,19 @@ class NnxFp8DotGeneral(nnx.Module):
     Returns:
       The product.
     """
-    return self._run(fp8.dot_general, lhs, rhs, dimension_numbers, precision=precision, **options)
+    operands = (lhs, rhs, dimension_numbers)
+    options = {"precision": precision, **options}
+    return self._run(fp8.dot_general, jax.lax.dot_general, lhs, operands, options)
+
+  @staticmethod
+  def _shapes(lhs, rhs, dimension_numbers) -> tuple:
+    return jnp.shape(lhs), jnp.shape(rhs), dimension_numbers
 
 
 class NnxFp8Einsum(NnxFp8DotGeneral):
   """An fp8 einsum for the ``einsum_op`` slot of ``nnx.Einsum``.
 
-  Args:
-    config: the fp8 recipe (``CurrentScaling()`` by default).
+  Takes :class:`NnxFp8DotGeneral`'s arguments (``config``, ``placement``, ``path``, ``kept``).
   """
 
   def __call__(self, subscripts, lhs, rhs, precision=None, **options):  # type: ignore[override]
@@ -123,35 +163,90 @@ class NnxFp8Einsum(NnxFp8DotGeneral):
     Returns:
       The einsum.
     """
-    return self._run(fp8.einsum, subscripts, lhs, rhs, precision=precision, **options)
+    options = {"precision": precision, **options}
+    return self._run(fp8.einsum, jnp.einsum, lhs, (subscripts, lhs, rhs), options)
+
+  @staticmethod
+  def _shapes(subscripts, lhs, rhs) -> tuple:  # type: ignore[override]
+    return einsum_dot_shapes(subscripts, lhs, rhs)
 
 
-def _install(layer: Any, config: Any) -> bool:
-  """Puts an fp8 op into one layer's matmul slot; False if the user set their own."""
+_LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+_SLOT = {False: "dot_general", True: "einsum_op"}
+
+
+def _slot(layer: Any) -> str:
+  """``"ours"``, ``"free"`` (the default matmul) or ``"user"`` (the user set their own)."""
   if isinstance(layer, nnx.Einsum):
     if isinstance(layer.einsum_op, NnxFp8Einsum):
-      return True
-    if layer.einsum_op is not jnp.einsum:
-      return False
-    layer.einsum_op = nnx.data(NnxFp8Einsum(config))
-    return True
+      return "ours"
+    return "free" if layer.einsum_op is jnp.einsum else "user"
   if isinstance(layer.dot_general, NnxFp8DotGeneral):
-    return True
+    return "ours"
   default = layer.dot_general is None or layer.dot_general is jax.lax.dot_general
-  if not default or getattr(layer, "dot_general_cls", None) is not None:
-    return False
-  layer.dot_general = nnx.data(NnxFp8DotGeneral(config))
-  return True
+  return "free" if default and getattr(layer, "dot_general_cls", None) is None else "user"
 
 
-def nnx_fp8(model: nnx.Module, fp8_spec: Any = None) -> nnx.Module:
-  """Makes the matmuls of every ``nnx.Linear``/``LinearGeneral``/``Einsum`` in ``model`` fp8.
+def _install(layer: Any, config: Any, **options: Any) -> None:
+  """Puts an fp8 op into one layer's matmul slot."""
+  if isinstance(layer, nnx.Einsum):
+    layer.einsum_op = nnx.data(NnxFp8Einsum(config, **options))
+  else:
+    layer.dot_general = nnx.data(NnxFp8DotGeneral(config, **options))
+
+
+def _free_layers(model: nnx.Module) -> dict[str, tuple[Any, tuple[type, ...]]]:
+  """``{path: (layer, classes)}`` of the layers with their default matmul, in graph order.
+
+  ``classes`` are the layer's and those of the modules holding it.
+  """
+  nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
+  layers = {}
+  for path, node in nodes.items():
+    if isinstance(node, _LAYERS) and _slot(node) == "free":
+      enclosing = (nodes[path[:n]] for n in range(len(path) + 1))
+      classes = tuple(type(m) for m in enclosing if isinstance(m, nnx.Module))
+      layers["/".join(str(p) for p in path)] = (node, classes)
+  return layers
+
+
+def _discover(model: nnx.Module, layers: dict, config: Any, example_call: Any) -> dict:
+  """The first and last layers ``example_call(model)`` calls (one abstract run, plain matmuls)."""
+  slots = {path: _SLOT[type(layer) is nnx.Einsum] for path, (layer, _) in layers.items()}
+  saved = {path: getattr(layer, slots[path]) for path, (layer, _) in layers.items()}
+  for path, (layer, _) in layers.items():
+    _install(layer, config, path=path, kept="discovering")
+  order: list = []
+  try:
+    with _DISCOVERY.scope(order):
+      nnx.eval_shape(example_call, model)
+  finally:  # the layers as they were, whatever example_call did
+    for path, (layer, _) in layers.items():
+      setattr(layer, slots[path], saved[path])
+  if not order:
+    raise ValueError(
+      f"example_call called no matmul layer of {type(model).__name__}: it must call the model "
+      "(e.g. example_call=lambda model: model(x)) to find its first and last layers."
+    )
+  return positions(order)
+
+
+def nnx_fp8(
+  model: nnx.Module,
+  fp8_spec: Any = None,
+  *,
+  placement: Any = None,
+  example_call: Callable[[Any], Any] | None = None,
+) -> nnx.Module:
+  """Makes the matmuls of the ``nnx.Linear``/``LinearGeneral``/``Einsum`` layers of ``model`` fp8.
 
   Mutates ``model`` in place: each layer's ``dot_general`` (``einsum_op`` for
   Einsum) becomes an :class:`NnxFp8DotGeneral` (:class:`NnxFp8Einsum`)
   holding the layer's fp8 state. Layers with a user-supplied
   ``dot_general``/``einsum_op`` are left alone; calling it twice changes
-  nothing.
+  nothing. The layers ``placement`` keeps in the compute dtype get an op
+  without state that computes the layer's own matmul (and reports it to
+  :func:`placement_report`).
 
   Args:
     model: the NNX model.
@@ -160,27 +255,52 @@ def nnx_fp8(model: nnx.Module, fp8_spec: Any = None) -> nnx.Module:
       :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
       ``"p=f32,c=bf16,o=f32,fp8=hybrid"``. A policy without fp8 leaves the
       model as it is.
+    placement: which layers run in fp8 (:class:`~jmp_lite.fp8.Fp8Placement`;
+      default ``Fp8Placement()``: not the first and last matmul layers, nor
+      matmuls too small to pay, decided at each call from its shape).
+    example_call: ``example_call(model)`` calls the model as training does
+      (``lambda model: model(x)``); run once abstractly to find the first and
+      last matmul layers. Required while ``placement.keep_first_last``.
 
   Returns:
     ``model``.
 
   Raises:
-    ValueError: if the model has no layer that can run in fp8.
+    ValueError: if the model has no layer that can run in fp8, a pattern of
+      ``placement`` matches none, or the first and last layers are to be kept
+      without an ``example_call``.
   """
   config = config_of_spec(fp8_spec)
+  placement = as_placement(placement)
+  if example_call is not None and not callable(example_call):
+    raise TypeError(f"example_call must be a function of the model, got {example_call!r}.")
   if config is None:
     return model
-  layers = [
-    node
-    for _, node in nnx.iter_graph(model)
-    if isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
-  ]
-  installed = [_install(layer, config) for layer in layers]
-  if not any(installed):
+  name = type(model).__name__
+  layers = _free_layers(model)
+  if not layers:
+    if any(_slot(node) == "ours" for _, node in nnx.iter_graph(model) if isinstance(node, _LAYERS)):
+      return model
     raise ValueError(
-      f"{type(model).__name__} has no nnx.Linear, nnx.LinearGeneral or nnx.Einsum layer with "
-      "the default dot_general/einsum_op to run in fp8."
+      f"{name} has no nnx.Linear, nnx.LinearGeneral or nnx.Einsum layer with the default "
+      "dot_general/einsum_op to run in fp8."
     )
+  check_patterns(placement, {path: classes for path, (_, classes) in layers.items()}, name)
+  found = {}
+  if placement.keep_first_last:
+    if example_call is None:
+      raise ValueError(
+        f"nnx_fp8 keeps the first and last matmul layers of {name} in the compute dtype "
+        "(Fp8Placement(keep_first_last=True), the default) and finds them by calling the model "
+        "once: pass example_call=lambda model: model(x), or placement=fp8.Fp8Placement("
+        "keep_first_last=False) to run them in fp8 too."
+      )
+    found = _discover(model, layers, config, example_call)
+  reasons = {}
+  for path, (layer, classes) in layers.items():
+    reasons[path] = placement.reason(path, classes, found.get(path))
+    _install(layer, config, placement=placement, path=path, kept=reasons[path])
+  warn_if_no_fp8(reasons, name)
   return model
 
 
