@@ -212,6 +212,25 @@ def test_methods_run_in_the_class_dtype_and_outputs_keep_the_class():
   np.testing.assert_allclose(out, linear.weight @ x + linear.bias, rtol=1e-6)
 
 
+def test_named_instances_keep_their_class_for_isinstance():
+  # Equinox's Sequential passes the state to the layers that are StatefulLayers.
+  seq = eqx.nn.Sequential(
+    [eqx.nn.Linear(4, 4, key=jax.random.key(0)), eqx.nn.BatchNorm(4, "b", mode="batch")]
+  )
+  model, state = eqx.nn.make_with_state(lambda: seq)()
+  call = lambda m, s, x: jax.vmap(m, (0, None), (0, None), axis_name="b")(x, s)
+  x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+  fn = jl.autocast(call, POLICY, modules={eqx.nn.BatchNorm: "float32"})
+  out, new_state = fn(model, state, x)
+  assert type(new_state) is eqx.nn.State
+  found = census_by_scope(jax.make_jaxpr(lambda x: fn(model, state, x))(x), ("rsqrt", "mul"))
+  assert set().union(*found.values()) == {"float32"}
+  # The reference: the Linear in bf16, the BatchNorm on its output in fp32.
+  h = jax.vmap(narrow(model[0]))(x.astype(BF16)).astype(F32)
+  want, _ = jax.vmap(model[1], (0, None), (0, None), axis_name="b")(h, state)
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
 def test_scopes_win_over_module_classes():
   model, x = model_and_input()
   fn = jl.autocast(

@@ -98,6 +98,12 @@ class Scoped:
     object.__setattr__(self, "_jl_module", module)
     object.__setattr__(self, "_jl_scope", scope)
 
+  @property  # type: ignore[misc]
+  def __class__(self) -> type:
+    # ``isinstance(view, Block)`` holds in the user's code (Equinox's Sequential checks its
+    # layers' classes); the pytree registry goes by ``type(view)``, which is Scoped.
+    return type(object.__getattribute__(self, "_jl_module"))
+
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     with jax.named_scope(self._jl_scope):
       return self._jl_module(*args, **kwargs)
