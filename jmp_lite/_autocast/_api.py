@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes
-from jmp_lite._autocast import _table
+from jmp_lite._autocast import _modules, _table
 from jmp_lite._autocast._interpret import FULL_PRECISION_SCOPE, Config, Interpreter, Value
 from jmp_lite._policy import Policy, cast_floating, get_policy
 
@@ -62,6 +62,7 @@ def autocast(
   table: Mapping[str, str] | None = None,
   overrides: Mapping[str, str] | None = None,
   scopes: Mapping[str, Any] | None = None,
+  modules: Mapping[type, Any] | None = None,
 ) -> F:
   """``fun`` with ``policy`` applied op by op (a rewrite of its traced program).
 
@@ -85,26 +86,36 @@ def autocast(
     overrides: rules for some primitives, applied on top of ``table``.
     scopes: name-scope regular expressions -> dtype: operations whose name
       stack matches run in that dtype (the first pattern that matches wins).
+    modules: classes of callable pytree nodes (Equinox modules) -> dtype: the
+      calls of their instances found in the arguments (or ``fun`` itself) run
+      in that dtype; a nested instance's own class wins over its parent's, a
+      ``scopes`` pattern over both. A class with no instance there warns.
 
   Returns:
     A function with ``fun``'s signature.
 
   Raises:
-    TypeError: for a policy that is neither a Policy nor a string, or a table
-      that is not a mapping.
-    ValueError: for a bad policy string, rule or scope pattern.
+    TypeError: for a policy that is neither a Policy nor a string, a table
+      that is not a mapping, or a ``modules`` key that is not a class.
+    ValueError: for a bad policy string, rule, scope pattern or dtype name.
   """
   policy = _as_policy(policy)
   rules = _table.check_table(_table.AUTOCAST_TABLE if table is None else table, "table")
   rules.update(_table.check_table({} if overrides is None else overrides, "overrides"))
   config = Config(np.dtype(policy.compute_dtype), rules, _scopes(scopes))
   output = np.dtype(policy.output_dtype)
+  module_rules = _modules.check_modules(modules)
 
   @functools.wraps(fun)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
     from jax._src import source_info_util
 
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    # Named module instances become scoped views for the trace; the caller's arguments (and
+    # so their gradients) keep their own classes. A ``fun`` that is a pytree (an Equinox
+    # module) has its array leaves cast as arguments are.
+    called, found = _modules.scope_instances((fun, args, kwargs), module_rules)
+    _modules.check_found(module_rules, found)
+    leaves, treedef = jax.tree_util.tree_flatten(called)
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     given = [leaves[i] for i in dynamic]
     narrow = [cast_floating(x, config.compute) for x in given]
@@ -114,8 +125,8 @@ def autocast(
       full = list(leaves)
       for i, v in zip(dynamic, values, strict=True):
         full[i] = v
-      a, k = jax.tree_util.tree_unflatten(treedef, full)
-      out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
+      call, a, k = jax.tree_util.tree_unflatten(treedef, full)
+      out, tree = jax.tree_util.tree_flatten(_modules.unscope(call(*a, **k)))
       # Leaves that are not arrays (strings, None...) are returned as they are.
       out_tree.append((tree, [None if _is_jax_type(o) else o for o in out]))
       return [o for o in out if _is_jax_type(o)]

@@ -31,6 +31,7 @@ from jmp_lite._autocast._broadcast import (
   elementwise_summing_in_fp32,
 )
 from jmp_lite._autocast._from_output import DERIVATIVES, wide_and_narrow
+from jmp_lite._autocast._modules import module_dtype, strip_module_scopes
 from jmp_lite._autocast._table import LINEAR
 from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
 
@@ -126,10 +127,12 @@ class Interpreter:
     scope = str(names)
     if FULL_PRECISION_SCOPE in scope:
       return "input", None  # full_precision's operations are fp32 in the program already
-    for pattern, dtype in self.config.scopes:
-      if pattern.search(scope):
-        return "scope", dtype
-    return self.config.table.get(eqn.primitive.name, "input"), None
+    table = self.config.table.get(eqn.primitive.name, "input")
+    dtype = _scope_dtype(self.config, scope)
+    if dtype is None:
+      return table, None
+    # Under a scope, the program's casts stay casts (from the unrounded value, as elsewhere).
+    return ("cast", None) if table == "cast" else ("scope", dtype)
 
   def _eqn(self, eqn: Any, ins: list[Value], names: Any) -> list[Value]:
     name = eqn.primitive.name
@@ -237,9 +240,14 @@ class Interpreter:
       wide, narrow = wide_and_narrow(eqn.primitive, params, args[0])
       return [Value(narrow, wide)]
 
+    params = dict(eqn.params)
+    if params.get("preferred_element_type") == program:
+      # A matmul whose result the program states in its own dtype: the result at ``dtype``.
+      params["preferred_element_type"] = dtype
+
     def run(*args):
       args = [_cast(a, dtype) if _is_float(_dtype(a)) else a for a in args]
-      return [v.narrow for v in self._bind(eqn, args)]
+      return [v.narrow for v in self._bind(eqn, args, params)]
 
     if recompute:
       run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
@@ -357,6 +365,16 @@ def _broadcasts_16bit(var: Any, shape: tuple[int, ...]) -> bool:
   dtype = _jaxpr.dtype_of(var)
   grows = int(np.prod(shape)) > int(np.prod(var.aval.shape))
   return dtype is not None and is_16bit_float(dtype) and grows and len(var.aval.shape) <= len(shape)
+
+
+def _scope_dtype(config: Config, scope: str) -> np.dtype | None:
+  """The dtype of the first ``scopes`` pattern matching ``scope``, else the innermost module's."""
+  if config.scopes:
+    named = strip_module_scopes(scope)  # patterns see the model's own names
+    for pattern, dtype in config.scopes:
+      if pattern.search(named):
+        return dtype
+  return module_dtype(scope)
 
 
 def _jax_nn_rule(eqn: Any) -> str | None:
