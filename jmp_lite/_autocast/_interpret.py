@@ -77,7 +77,80 @@ class Config(NamedTuple):
   scopes: tuple[tuple[re.Pattern, np.dtype], ...]
 
 
-class Interpreter:
+class _NestedPrograms:
+  """The higher-order primitives whose bodies are rewritten and bound again as they were:
+  ``jax.checkpoint``, ``shard_map``, and the closed sub-jaxprs of ``scan``/``while``/``cond``.
+
+  A mixin of :class:`Interpreter`, which provides ``run``.
+  """
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Value], prefix: Any) -> list:
+    raise NotImplementedError
+
+  def _checkpoint(self, eqn: Any, ins: list[Value]) -> list[Value]:
+    """``jax.checkpoint``/``remat``: its body rewritten, under the same checkpoint policy."""
+    params = eqn.params
+    jaxpr = params["jaxpr"]
+    from jax._src import source_info_util
+
+    def body(*args):
+      outs = self.run(jaxpr, (), [Value(a) for a in args], source_info_util.current_name_stack())
+      return [v.narrow for v in outs]
+
+    fn = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
+    return [Value(o) for o in fn(*[v.narrow for v in ins])]
+
+  def _shard_map(self, eqn: Any, ins: list[Value]) -> list[Value]:
+    """``shard_map``: its body rewritten, over the same mesh and specs."""
+    params = eqn.params
+    jaxpr = params["jaxpr"]
+    from jax._src import source_info_util
+
+    def body(*args):
+      prefix = source_info_util.current_name_stack()
+      outs = self.run(jaxpr, (), [Value(a) for a in args], prefix)
+      return tuple(_match(o.narrow, v.aval) for o, v in zip(outs, jaxpr.outvars, strict=True))
+
+    fn = jax.shard_map(
+      body,
+      mesh=params["mesh"],
+      in_specs=params["in_specs"],
+      out_specs=params["out_specs"],
+      check_vma=params["check_vma"],
+      axis_names=params["newly_manual_axes"],
+    )
+    return [Value(o) for o in fn(*[v.narrow for v in ins])]
+
+  def _rewrite_params(self, params: Mapping[str, Any]) -> dict:
+    """``params`` with every closed sub-jaxpr rewritten (same signature: program dtypes)."""
+    return {k: self._rewrite_value(v) for k, v in params.items()}
+
+  def _rewrite_value(self, value: Any) -> Any:
+    core = _jaxpr.extend_core()
+    if isinstance(value, core.ClosedJaxpr):
+      return self._rewrite_closed(value)
+    if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
+      return tuple(self._rewrite_value(v) for v in value)
+    return value
+
+  def _rewrite_closed(self, closed: Any) -> Any:
+    from jax._src import source_info_util
+
+    specs = [
+      jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+      for v in closed.jaxpr.invars
+    ]
+
+    def body(*args):
+      outs = self.run(
+        closed.jaxpr, closed.consts, [Value(a) for a in args], source_info_util.new_name_stack()
+      )
+      return [_match(o.narrow, v.aval) for o, v in zip(outs, closed.jaxpr.outvars, strict=True)]
+
+    return jax.make_jaxpr(body)(*specs)
+
+
+class Interpreter(_NestedPrograms):
   """Evaluates jaxprs under a :class:`Config`.
 
   Args:
@@ -294,68 +367,6 @@ class Interpreter:
       Value(_cast(o, _jaxpr.dtype_of(v)), o if _dtype(o) == _F32 else None)
       for o, v in zip(outs, eqn.outvars, strict=True)
     ]
-
-  def _checkpoint(self, eqn: Any, ins: list[Value]) -> list[Value]:
-    """``jax.checkpoint``/``remat``: its body rewritten, under the same checkpoint policy."""
-    params = eqn.params
-    jaxpr = params["jaxpr"]
-    from jax._src import source_info_util
-
-    def body(*args):
-      outs = self.run(jaxpr, (), [Value(a) for a in args], source_info_util.current_name_stack())
-      return [v.narrow for v in outs]
-
-    fn = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
-    return [Value(o) for o in fn(*[v.narrow for v in ins])]
-
-  def _shard_map(self, eqn: Any, ins: list[Value]) -> list[Value]:
-    """``shard_map``: its body rewritten, over the same mesh and specs."""
-    params = eqn.params
-    jaxpr = params["jaxpr"]
-    from jax._src import source_info_util
-
-    def body(*args):
-      prefix = source_info_util.current_name_stack()
-      outs = self.run(jaxpr, (), [Value(a) for a in args], prefix)
-      return tuple(_match(o.narrow, v.aval) for o, v in zip(outs, jaxpr.outvars, strict=True))
-
-    fn = jax.shard_map(
-      body,
-      mesh=params["mesh"],
-      in_specs=params["in_specs"],
-      out_specs=params["out_specs"],
-      check_vma=params["check_vma"],
-      axis_names=params["newly_manual_axes"],
-    )
-    return [Value(o) for o in fn(*[v.narrow for v in ins])]
-
-  def _rewrite_params(self, params: Mapping[str, Any]) -> dict:
-    """``params`` with every closed sub-jaxpr rewritten (same signature: program dtypes)."""
-    return {k: self._rewrite_value(v) for k, v in params.items()}
-
-  def _rewrite_value(self, value: Any) -> Any:
-    core = _jaxpr.extend_core()
-    if isinstance(value, core.ClosedJaxpr):
-      return self._rewrite_closed(value)
-    if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
-      return tuple(self._rewrite_value(v) for v in value)
-    return value
-
-  def _rewrite_closed(self, closed: Any) -> Any:
-    from jax._src import source_info_util
-
-    specs = [
-      jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-      for v in closed.jaxpr.invars
-    ]
-
-    def body(*args):
-      outs = self.run(
-        closed.jaxpr, closed.consts, [Value(a) for a in args], source_info_util.new_name_stack()
-      )
-      return [_match(o.narrow, v.aval) for o, v in zip(outs, closed.jaxpr.outvars, strict=True)]
-
-    return jax.make_jaxpr(body)(*specs)
 
 
 def _broadcasts_16bit(var: Any, shape: tuple[int, ...]) -> bool:
