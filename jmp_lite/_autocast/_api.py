@@ -13,7 +13,8 @@ import numpy as np
 
 from jmp_lite import _dtypes
 from jmp_lite._autocast import _modules, _table
-from jmp_lite._autocast._interpret import FULL_PRECISION_SCOPE, Config, Interpreter, Value
+from jmp_lite._autocast._interpret import FULL_PRECISION_SCOPE, Config, Value
+from jmp_lite._autocast._program import evaluate
 from jmp_lite._policy import Policy, cast_floating, get_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,10 +46,6 @@ def _scopes(scopes: Any) -> tuple[tuple[re.Pattern, np.dtype], ...]:
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _is_jax_type(x: Any) -> bool:
-  return _is_array(x) or isinstance(x, (bool, int, float, complex))
 
 
 def _is_float(x: Any) -> bool:
@@ -108,40 +105,14 @@ def autocast(
 
   @functools.wraps(fun)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    from jax._src import source_info_util
-
     # Named module instances become scoped views for the trace; the caller's arguments (and
     # so their gradients) keep their own classes. A ``fun`` that is a pytree (an Equinox
     # module) has its array leaves cast as arguments are.
     called, found = _modules.scope_instances((fun, args, kwargs), module_rules)
     _modules.check_found(module_rules, found)
-    leaves, treedef = jax.tree_util.tree_flatten(called)
-    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-    given = [leaves[i] for i in dynamic]
-    narrow = [cast_floating(x, config.compute) for x in given]
-    out_tree = []
-
-    def flat(*values):
-      full = list(leaves)
-      for i, v in zip(dynamic, values, strict=True):
-        full[i] = v
-      call, a, k = jax.tree_util.tree_unflatten(treedef, full)
-      out, tree = jax.tree_util.tree_flatten(_modules.unscope(call(*a, **k)))
-      # Leaves that are not arrays (strings, None...) are returned as they are.
-      out_tree.append((tree, [None if _is_jax_type(o) else o for o in out]))
-      return [o for o in out if _is_jax_type(o)]
-
-    closed = jax.make_jaxpr(flat)(*narrow)
-    ins = [
-      Value(n, g if _is_float(g) and g.dtype == _F32 and n.dtype != _F32 else None)
-      for n, g in zip(narrow, given, strict=True)
-    ]
-    prefix = source_info_util.current_name_stack()
-    outs = Interpreter(config).run(closed.jaxpr, closed.consts, ins, prefix)
-    tree, static = out_tree[0]
-    results = iter(_output(v, output) for v in outs)
-    full = [next(results) if s is None else s for s in static]
-    return jax.tree_util.tree_unflatten(tree, full)
+    call = lambda tree: _modules.unscope(tree[0](*tree[1], **tree[2]))
+    outs, rebuild = evaluate(call, called, config, lambda x: cast_floating(x, config.compute))
+    return rebuild([_output(v, output) for v in outs])
 
   return wrapped  # type: ignore[return-value]
 

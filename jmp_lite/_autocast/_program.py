@@ -15,10 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._autocast._interpret import Config, Interpreter, Value
 from jmp_lite._autocast._table import AUTOCAST_TABLE
+
+_F32 = np.dtype(np.float32)
 
 # The modules' own matmuls already run as their class decides (jmp_lite's kernels on 16-bit
 # operands, the fp32 output layer): the table leaves them as written. So are the gradient sums
@@ -32,6 +35,63 @@ MODULE_TABLE = {
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_jax_type(x: Any) -> bool:
+  return _is_array(x) or isinstance(x, (bool, int, float, complex))
+
+
+def evaluate(
+  call: Callable[[Any], Any], tree: Any, config: Config, trace_as: Callable[[Any], Any]
+) -> tuple[list[Value], Callable[[list[Any]], Any]]:
+  """Traces ``call(tree)`` and evaluates its program under ``config``.
+
+  Args:
+    call: a function of one pytree.
+    tree: its argument; its array leaves are the program's inputs, the other leaves constants.
+    config: the compute dtype, table and scopes the interpreter applies.
+    trace_as: maps each array leaf to the value it is traced at (e.g. cast to the compute
+      dtype); the leaf itself is the unrounded fp32 value where it is fp32 and that is not.
+
+  Returns:
+    The :class:`Value` of each array output, and a function that takes one value per array
+    output and returns the output tree (its other leaves as the call returned them).
+  """
+  from jax._src import source_info_util  # the caller's name stack, kept
+
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  given = [leaves[i] for i in dynamic]
+  traced = [trace_as(x) for x in given]
+  out_tree = []
+
+  def flat(*values):
+    full = list(leaves)
+    for i, v in zip(dynamic, values, strict=True):
+      full[i] = v
+    out, out_def = jax.tree_util.tree_flatten(call(jax.tree_util.tree_unflatten(treedef, full)))
+    # Leaves that are not arrays (strings, None...) are returned as they are.
+    out_tree.append((out_def, [None if _is_jax_type(o) else o for o in out]))
+    return [o for o in out if _is_jax_type(o)]
+
+  closed = jax.make_jaxpr(flat)(*traced)
+  ins = [
+    Value(t, g if _is_float(g) and g.dtype == _F32 and t.dtype != _F32 else None)
+    for t, g in zip(traced, given, strict=True)
+  ]
+  prefix = source_info_util.current_name_stack()
+  outs = Interpreter(config).run(closed.jaxpr, closed.consts, ins, prefix)
+  out_def, static = out_tree[0]
+
+  def rebuild(values: list[Any]) -> Any:
+    it = iter(values)
+    return jax.tree_util.tree_unflatten(out_def, [next(it) if s is None else s for s in static])
+
+  return outs, rebuild
+
+
+def _is_float(x: Any) -> bool:
+  return _is_array(x) and bool(jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def rewrite(fun: Callable[..., Any], compute_dtype: Any) -> Callable[..., Any]:
@@ -49,29 +109,8 @@ def rewrite(fun: Callable[..., Any], compute_dtype: Any) -> Callable[..., Any]:
 
   @functools.wraps(fun)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    from jax._src import source_info_util  # the caller's name stack, kept
-
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-    out_tree = []
-
-    def flat(*values):
-      full = list(leaves)
-      for i, v in zip(dynamic, values, strict=True):
-        full[i] = v
-      a, k = jax.tree_util.tree_unflatten(treedef, full)
-      out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
-      arrays = [isinstance(o, jax.Array) for o in out]
-      static = [None if is_array else o for o, is_array in zip(out, arrays, strict=True)]
-      out_tree.append((tree, arrays, static))
-      return [o for o, is_array in zip(out, arrays, strict=True) if is_array]
-
-    closed = jax.make_jaxpr(flat)(*(leaves[i] for i in dynamic))
-    prefix = source_info_util.current_name_stack()
-    ins = [Value(leaves[i]) for i in dynamic]
-    outs = iter(v.narrow for v in Interpreter(config).run(closed.jaxpr, closed.consts, ins, prefix))
-    tree, arrays, static = out_tree[0]
-    full = [next(outs) if is_array else s for is_array, s in zip(arrays, static, strict=True)]
-    return jax.tree_util.tree_unflatten(tree, full)
+    call = lambda tree: fun(*tree[0], **tree[1])
+    outs, rebuild = evaluate(call, (args, kwargs), config, lambda x: x)
+    return rebuild([v.narrow for v in outs])
 
   return wrapped
