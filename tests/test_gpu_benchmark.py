@@ -99,6 +99,32 @@ def test_every_recipe_lowers(name):
   assert loss.shape == () and loss.dtype == jnp.float32
 
 
+@pytest.fixture(scope="module")
+def smoke_batch():
+  config, batch = gpu.SMOKE.model, gpu.SMOKE.batch
+  tokens = jax.random.randint(jax.random.key(0), (batch, config["length"]), 0, config["vocab"])
+  return config, tokens, _gpu_recipes.init_params(config, tokens)
+
+
+def _first_step(name, config, tokens, params):
+  spec = _gpu_recipes.RECIPES[name].build(config)
+  step = jax.jit(spec.step)
+  state = spec.init(params, tokens)
+  return step, state, step(state, tokens)
+
+
+@pytest.mark.parametrize("name", list(_gpu_recipes.FP8_RECIPES))
+def test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy(name, smoke_batch):
+  config, tokens, params = smoke_batch
+  _, _, (_, bf16_loss) = _first_step("policy_bf16", config, tokens, params)
+  step, state, ((new_params, _), loss) = _first_step(name, config, tokens, params)
+  # The first loss is the bf16 policy's to fp8's error (the same parameters and batch).
+  assert abs(float(loss) - float(bf16_loss)) < 0.02 * float(bf16_loss), (loss, bf16_loss)
+  assert "f8e4m3fn" in step.lower(state, tokens).as_text()  # the matmuls are fp8
+  moved = lambda a, b: bool(jnp.all(jnp.isfinite(a)) and jnp.any(a != b))
+  assert all(jax.tree.leaves(jax.tree.map(moved, new_params, params))), name
+
+
 def test_smoke_sizes_reuse_the_recipes_rows(smoke):
   # --widths kept the recipes' own width, whose rows the sizes section reuses.
   _, written, md, _ = smoke
