@@ -1,4 +1,4 @@
-r"""Per-recipe fp8 matmul error on the matrices that break per-tensor scaling (CPU, minutes).
+r"""Per-recipe fp8 matmul error on matrices said to break per-tensor scaling (CPU, minutes).
 
 For each distribution, contraction length K and recipe of ``jmp_lite.fp8``, one
 ``[M, K] x [K, N]`` matmul :math:`y = x w` and its two gradients :math:`\partial x = g w^\top`,
@@ -27,12 +27,13 @@ section 3.3.2) is invisible in the library's rows; the models sum each group of 
 WGMMA k-step) exactly and add it to an accumulator kept at 14 significant bits, truncated toward
 zero, either over all of K ("no promotion") or over each 128-element chunk, whose sum is then
 scaled and added in fp32 ("promoted every 128", as ``fp8.BlockScaling`` expresses it with one
-fp8 dot per chunk). The gradients of those rows are not modelled: their contractions here are
-over N and M, at most two 128-element chunks.
+fp8 dot per chunk); ``vs_fp32_sums`` in the JSON is a model's error against fp32 sums of the
+same fp8 products, the accumulator's own. The gradients of those rows are not modelled: their
+contractions here are over N and M, one 128-element chunk each.
 
 Run from the repository root::
 
-  python -m benchmarks.fp8_recipe_errors --out docs/figures/fp8_numerics   # ~5 minutes, 2 cores
+  python -m benchmarks.fp8_recipe_errors --out docs/figures/fp8_numerics   # ~3 minutes, 2 cores
   python -m benchmarks.fp8_recipe_errors --smoke --out /tmp/fp8_numerics  # seconds
 
 Writes ``fp8_numerics.json`` and ``fp8_numerics.md`` to ``--out``.

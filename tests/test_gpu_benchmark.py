@@ -87,7 +87,11 @@ def test_smoke_writes_every_recipe(smoke):
   assert result["sections"]["recipes"]["rows"] == rows
 
 
-@pytest.mark.parametrize("name", [n for n in _gpu_recipes.RECIPES if n not in TIMED])
+# The stateless fp8 recipes run a step in test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy.
+LOWERED = [n for n in _gpu_recipes.RECIPES if n not in TIMED and n not in _gpu_recipes.FP8_RECIPES]
+
+
+@pytest.mark.parametrize("name", LOWERED)
 def test_every_recipe_lowers(name):
   config, batch = gpu.SMOKE.model, gpu.SMOKE.batch
   tokens = jax.random.randint(jax.random.key(0), (batch, config["length"]), 0, config["vocab"])
@@ -120,7 +124,7 @@ def test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy(name, smoke_batch):
   step, state, ((new_params, _), loss) = _first_step(name, config, tokens, params)
   # The first loss is the bf16 policy's to fp8's error (the same parameters and batch).
   assert abs(float(loss) - float(bf16_loss)) < 0.02 * float(bf16_loss), (loss, bf16_loss)
-  assert "f8e4m3fn" in step.lower(state, tokens).as_text()  # the matmuls are fp8
+  assert "f8e4m3fn" in step.lower(state, tokens).as_text().lower()  # MLIR's f8E4M3FN: fp8
   moved = lambda a, b: bool(jnp.all(jnp.isfinite(a)) and jnp.any(a != b))
   assert all(jax.tree.leaves(jax.tree.map(moved, new_params, params))), name
 
