@@ -87,8 +87,10 @@ def test_smoke_writes_every_recipe(smoke):
   assert result["sections"]["recipes"]["rows"] == rows
 
 
-# The stateless fp8 recipes run a step in test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy.
-LOWERED = [n for n in _gpu_recipes.RECIPES if n not in TIMED and n not in _gpu_recipes.FP8_RECIPES]
+# Run a step in test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy: the stateless fp8
+# recipes, and delayed scaling calibrated at init with no per-step select (NaN if uncalibrated).
+FP8_RUN = [*_gpu_recipes.FP8_RECIPES, "fp8_delayed_calibrated"]
+LOWERED = [n for n in _gpu_recipes.RECIPES if n not in TIMED and n not in FP8_RUN]
 
 
 @pytest.mark.parametrize("name", LOWERED)
@@ -117,11 +119,12 @@ def _first_step(name, config, tokens, params):
   return step, state, step(state, tokens)
 
 
-@pytest.mark.parametrize("name", list(_gpu_recipes.FP8_RECIPES))
+@pytest.mark.parametrize("name", FP8_RUN)
 def test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy(name, smoke_batch):
   config, tokens, params = smoke_batch
   _, _, (_, bf16_loss) = _first_step("policy_bf16", config, tokens, params)
-  step, state, ((new_params, _), loss) = _first_step(name, config, tokens, params)
+  step, state, (new_state, loss) = _first_step(name, config, tokens, params)
+  new_params = new_state[0]  # (params, opt_state), or (params, fp8 state, opt_state)
   # The first loss is the bf16 policy's to fp8's error (the same parameters and batch).
   assert abs(float(loss) - float(bf16_loss)) < 0.02 * float(bf16_loss), (loss, bf16_loss)
   assert "f8e4m3fn" in step.lower(state, tokens).as_text().lower()  # MLIR's f8E4M3FN: fp8
