@@ -5,7 +5,8 @@ model configuration of ``benchmarks/memory.py``'s ``TransformerLM``; :data:`RECI
 14's table, in its order: fp32 (``highest`` and default precision), Flax layers with
 ``dtype=bfloat16``, ``jmp_lite.flax.policy_apply`` in bf16 and fp16 (with and without loss
 scaling), Flax's ``DynamicScale``, diagnostics (no accumulation preset, a ``lax.cond`` skip),
-fp8 (``linen_fp8`` over the bf16 policy), and the same LM in NNX (``benchmarks/_nnx_lm.py``) with
+fp8 (``linen_fp8`` over the bf16 policy: delayed scaling, and each stateless recipe of
+:data:`FP8_RECIPES`), and the same LM in NNX (``benchmarks/_nnx_lm.py``) with
 ``dtype=bfloat16`` and under ``jmp_lite.flax.policy_view``. Every recipe trains with AdamW on the
 next-token loss.
 """
@@ -252,7 +253,7 @@ def fp8_step(spec: str, legacy: bool = False, **config_kwargs: Any) -> Callable[
   """``linen_fp8`` over ``policy_apply(model, spec)``, calibrated on the batch before step 0
   (docs/fp8.md), the fp8 state updated every step.
 
-  ``config_kwargs`` go to :class:`~jmp_lite.fp8.Fp8Config`; ``legacy`` traces the fp8 matmuls
+  ``config_kwargs`` go to :class:`~jmp_lite.fp8.DelayedScaling`; ``legacy`` traces the fp8 matmuls
   in the formulation that showed the loss anomaly (``benchmarks/fp8_check.py``).
   """
 
@@ -277,7 +278,7 @@ def fp8_step(spec: str, legacy: bool = False, **config_kwargs: Any) -> Callable[
 def _fp8_build(config: dict, spec: str, config_kwargs: dict) -> Step:
   model = TransformerLM(**config)
   apply, tx = jlf.policy_apply(model, spec), optax.adamw(LEARNING_RATE)
-  fp8_config = jl.fp8.Fp8Config(amax_history_length=FP8_HISTORY, **config_kwargs)
+  fp8_config = jl.fp8.DelayedScaling(amax_history_length=FP8_HISTORY, **config_kwargs)
 
   def loss_fn(params, amax, fp8_state, tokens):
     variables = {
@@ -311,6 +312,42 @@ def _fp8_build(config: dict, spec: str, config_kwargs: dict) -> Step:
   return Step(init, step)
 
 
+def fp8_stateless_step(spec: str, recipe: Any) -> Callable[[dict], Step]:
+  """``linen_fp8(recipe)`` over ``policy_apply(model, spec)`` for a recipe that keeps no state
+  (``CurrentScaling``, ``RowwiseScaling``, ``BlockScaling``, ``Mxfp8Scaling``): no calibration,
+  no probes, no ``fp8.update``; the step is the bf16 policy's AdamW step with fp8 matmuls."""
+
+  def build(config):
+    model = TransformerLM(**config)
+    apply, tx = jlf.policy_apply(model, spec), optax.adamw(LEARNING_RATE)
+
+    def loss_fn(params, tokens):
+      with flax_fp8.linen_fp8(recipe):  # outside the policy's interceptor, as documented
+        return lm_loss(apply({"params": params}, tokens), tokens)
+
+    def step(state, tokens):
+      params, opt_state = state
+      loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    return Step(lambda params, tokens: (params, tx.init(params)), step)
+
+  return build
+
+
+# The fp8 recipes of docs/fp8.md, each over the bf16 policy ("fp8" is delayed scaling).
+FP8_RECIPES: dict[str, tuple[str, Any]] = {
+  "fp8_current": ("fp8 current scaling (the default recipe)", jl.fp8.CurrentScaling()),
+  "fp8_rowwise": ("fp8 row-wise scaling", jl.fp8.RowwiseScaling()),
+  "fp8_rowwise_gw_hp": (
+    "fp8 row-wise, weight gradient in bf16",
+    jl.fp8.RowwiseScaling(weight_grad="compute_dtype"),
+  ),
+  "fp8_block": ("fp8 block scaling (DeepSeek-V3)", jl.fp8.BlockScaling()),
+  "fp8_mxfp8": ("MXFP8, emulated (quantize, dequantize, fp32 dot)", jl.fp8.Mxfp8Scaling()),
+}
+
 # In the order of the issue's table.
 RECIPES: dict[str, Recipe] = {
   "fp32_highest": Recipe("fp32, precision highest", adamw_step(with_flax_dtype(), "highest")),
@@ -334,7 +371,13 @@ RECIPES: dict[str, Recipe] = {
     "policy fp16 + loss scaling, `lax.cond` skip (candidate)",
     cond_skip_step(with_policy(FP16_POLICY)),
   ),
-  "fp8": Recipe("jmp_lite fp8 (`linen_fp8` over the bf16 policy)", fp8_step(BF16_POLICY)),
+  "fp8": Recipe(
+    "jmp_lite fp8, delayed scaling (`linen_fp8` over the bf16 policy)", fp8_step(BF16_POLICY)
+  ),
+  "fp8_delayed_calibrated": Recipe(
+    'fp8 delayed scaling, `first_step="calibrated"` (no per-step select)',
+    fp8_step(BF16_POLICY, first_step="calibrated"),
+  ),
   "fp8_fast": Recipe(
     "fp8, fast accumulation forward", fp8_step(BF16_POLICY, fast_accumulation="forward")
   ),
@@ -360,6 +403,10 @@ RECIPES: dict[str, Recipe] = {
   "autocast_bf16": Recipe(
     "`jl.autocast(model.apply)`, bf16", adamw_step(with_autocast(BF16_POLICY))
   ),
+  **{
+    name: Recipe(label, fp8_stateless_step(BF16_POLICY, recipe))
+    for name, (label, recipe) in FP8_RECIPES.items()
+  },
   "nnx_flax_bf16": Recipe(
     "NNX, every layer `dtype=bfloat16`",
     nnx_params(adamw_step(with_nnx(jnp.bfloat16)), jnp.bfloat16),
@@ -380,6 +427,8 @@ PRIORITY = (
   "policy_fp16_cond_skip",
   "fp8_legacy",
   "fp8_fast",
+  "fp8_delayed_calibrated",
+  *FP8_RECIPES,
   "fp32_highest",
   "fp32_default",
   "flax_fp16_dynamic_scale",

@@ -310,6 +310,8 @@ class TrainConfig:
   dynamic_period: int = 100
   layerwise_period: int = 10
   fp8_history: int = 16
+  # The fp8 recipe's jmp_lite.fp8 recipe; None is DelayedScaling with fp8_history.
+  fp8_recipe: Any = None
   progress: bool = True
   # XLA's backend optimizations off: compiles ~2x faster, runs ~3x slower. Only for the
   # quick preset, whose tiny steps cost less than their compilation on 2 cores.
@@ -688,7 +690,13 @@ def train(
   the step time.
   """
   policy = jl.get_policy(recipe.policy)
-  fp8_config = fp8.Fp8Config(amax_history_length=config.fp8_history) if recipe.fp8 else None
+  fp8_config = None
+  if recipe.fp8:
+    fp8_config = config.fp8_recipe
+    if fp8_config is None:
+      fp8_config = fp8.Fp8Config(amax_history_length=config.fp8_history)
+  # Delayed scaling keeps a state (calibrated, read and updated); the other recipes none.
+  fp8_stateful = fp8_config is not None and fp8.as_recipe(fp8_config).init_state() is not None
   apply_fn = jlf.policy_apply(task.model, policy)
 
   def fp8_scope(loss_scale=None):
@@ -729,7 +737,7 @@ def train(
     if recipe.high_half_view:
       params = jax.tree.map(bf16_high_half, params)
     variables = {"params": params, **model_state}
-    if fp8_config is not None:
+    if fp8_stateful:
       variables[flax_fp8.STATE_COLLECTION] = fp8_state
       variables[flax_fp8.AMAX_COLLECTION] = amax
     args, kwargs = task.model_args(batch, train=True)
@@ -743,7 +751,7 @@ def train(
     loss = terms["loss"] / (terms["count"] * denominator_factor)
     return loss, (updates, terms)
 
-  if fp8_config is not None:
+  if fp8_stateful:
     # Step 0's fp8 scales from the first batch's own maxima (docs/fp8.md): otherwise they
     # start at 1 and the first steps flush small gradients to zero.
     fp8_state = jax.jit(
@@ -755,7 +763,7 @@ def train(
 
   def train_step(params, model_state, fp8_state, opt_state, batch, step):
     loss_scale = jl.get_loss_scale(opt_state)
-    if fp8_config is None:
+    if not fp8_stateful:
       (_, (updates, terms)), grads = jl.scaled_value_and_grad(loss_fn, loss_scale, has_aux=True)(
         params, None, model_state, fp8_state, batch, loss_scale
       )
@@ -775,7 +783,7 @@ def train(
     finite = jl.get_loss_scaling_state(opt_state).last_finite
     # Batch statistics of a skipped step (non-finite activations) are dropped too.
     model_state = jl.select_tree(finite, {**model_state, **updates}, model_state)
-    if fp8_config is not None:
+    if fp8_stateful:
       fp8_state = fp8.update(fp8_state, amax, fp8_config)  # drops non-finite observations
     metrics = {
       "loss": terms["loss"] / terms["count"],
@@ -794,7 +802,7 @@ def train(
     if recipe.high_half_view:
       params = jax.tree.map(bf16_high_half, params)
     variables = {"params": params, **model_state}
-    if fp8_config is not None:
+    if fp8_stateful:
       variables[flax_fp8.STATE_COLLECTION] = fp8_state  # no probes: nothing observed
     args, kwargs = task.model_args(batch, train=False)
     with fp8_scope():

@@ -47,6 +47,7 @@ TIERS: dict[str, tuple[str, ...]] = {
   "benchmark": (
     "test_deviceless_benchmark.py",
     "test_examples.py",
+    "test_fp8_benchmarks.py",
     "test_fp8_check.py",
     "test_gpu_benchmark.py",
     "test_layerwise_experiment.py",

@@ -117,6 +117,21 @@ def test_smoke_compiles_for_an_h200(tmp_path):
   assert rows["fp8"]["kernels"].get("fusion:kCustom", 0) + len(rows["fp8"]["gemm_custom_calls"])
 
 
+@needs_cuda
+def test_every_fp8_recipe_compiles_for_an_h200(tmp_path):
+  from benchmarks import _gpu_recipes
+
+  recipes = ",".join(["policy_bf16", "fp8", *_gpu_recipes.FP8_RECIPES])
+  result = deviceless.main(
+    ["--smoke", "--targets", "h200", "--recipes", recipes, "--out", str(tmp_path)]
+  )
+  (rows,) = result["tables"].values()
+  assert list(rows) == recipes.split(",")
+  for name, row in rows.items():
+    assert "error" not in row, (name, row.get("error"))
+    assert row["kernel_count"] == sum(row["kernels"].values()) > 0
+
+
 @needs_tpu
 def test_smoke_compiles_for_tpu_v5e(tmp_path):
   rows = _smoke(tmp_path, "v5e")

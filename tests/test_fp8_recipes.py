@@ -1,6 +1,7 @@
 """fp8 recipes: current scaling (the default), delayed scaling's first step, the protocol."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -170,11 +171,76 @@ def test_delayed_scaling_fresh_step_is_current_scaling_then_delayed():
   np.testing.assert_array_equal(y2, y_current)
 
 
+def _delayed_run(x, k, g, state, recipe):
+  f = lambda x, k, amax: fp8.dot_general(x, k, MATMUL, state, amax, config=recipe)
+  y, vjp = jax.vjp(f, x, k, fp8.zeros_amax(state))
+  return y, vjp(g)
+
+
+def test_calibrated_delayed_scaling_uses_the_calibrated_scales_and_never_flushes():
+  """first_step="calibrated": after fp8.calibrate the step is the default recipe's, bit for
+  bit; an uncalibrated state gives NaN products (loud), not zeros, and observes the amaxes, so
+  that fp8.update sets its scales."""
+  rng = np.random.default_rng(5)
+  x, k, g = normal(rng, (6, 8), 50.0), normal(rng, (8, 4)), normal(rng, (6, 4), 1e-6)
+  trusted = fp8.DelayedScaling(amax_history_length=2, first_step="calibrated")
+  default = fp8.DelayedScaling(amax_history_length=2)
+  loss = lambda amax, recipe: jnp.sum(
+    fp8.dot_general(x, k, MATMUL, recipe.init_state(), amax, config=recipe) * g
+  )
+  calibrated = fp8.calibrate(lambda amax: loss(amax, trusted), trusted.init_state(), trusted)
+  want = [np.abs(x).max() / 448, np.abs(k).max() / 448, np.abs(g).max() / 57344]
+  np.testing.assert_allclose([float(t.scale) for t in calibrated], want, rtol=1e-6)
+  got, wanted = (
+    _delayed_run(x, k, g, calibrated, trusted),
+    _delayed_run(x, k, g, calibrated, default),
+  )
+  jax.tree.map(np.testing.assert_array_equal, got, wanted)
+  current = _delayed_run(x, k, g, default.init_state(), default)[0]
+  np.testing.assert_array_equal(got[0], current)  # = current scaling on the calibration batch
+
+  y, (dx, dk, observed) = _delayed_run(x, k, g, trusted.init_state(), trusted)
+  assert np.isnan(y).all() and np.isnan(dx).all() and np.isnan(dk).all()
+  np.testing.assert_allclose(
+    [float(observed.input), float(observed.kernel), float(observed.output_grad)],
+    [np.abs(x).max(), np.abs(k).max(), np.abs(g).max()],
+    rtol=1e-6,
+  )
+  state = fp8.update(trusted.init_state(), observed, trusted)
+  np.testing.assert_array_equal(_delayed_run(x, k, g, state, trusted)[0], current)
+
+
+def _depends_on_input(jaxpr):
+  """Whether the closed jaxpr's (only) output is computed from its (only) input."""
+  reached = set(jaxpr.jaxpr.invars)
+  for eqn in jaxpr.jaxpr.eqns:
+    if any(v in reached for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
+      reached.update(eqn.outvars)
+  return jaxpr.jaxpr.outvars[0] in reached
+
+
+@pytest.mark.parametrize("first_step", ["own_amax", "calibrated"])
+def test_calibrated_delayed_scale_reads_nothing_of_the_tensor(first_step):
+  """The quantization's scale depends on the tensor's amax only under the default first step
+  (a select in every step); a calibrated state's scale is the state's."""
+  from jmp_lite.fp8._matmul import DotSpec, scale_for
+
+  spec = DotSpec(
+    MATMUL, E4M3, E5M2, *(np.dtype(jnp.float32),) * 3, None, frozenset(), False, 0.0,
+    lax.Precision.HIGHEST, lax.Precision.HIGHEST, trust_state=first_step == "calibrated",
+  )  # fmt: skip
+  jaxpr = jax.make_jaxpr(lambda amax: scale_for(jnp.float32(0.5), amax, E4M3, spec))(1.0)
+  assert _depends_on_input(jaxpr) == (first_step == "own_amax")
+
+
 def test_recipes_are_hashable_and_check_their_fields():
   assert hash(fp8.CurrentScaling()) == hash(fp8.CurrentScaling())
   assert fp8.as_recipe(None) == fp8.CurrentScaling()
   delayed = fp8.as_recipe(fp8.Fp8Config(amax_history_length=3))
   assert type(delayed) is fp8.DelayedScaling and delayed.amax_history_length == 3
+  assert delayed.first_step == "own_amax"
+  with pytest.raises(ValueError, match=r"first_step.*'first'"):
+    fp8.DelayedScaling(first_step="first")
   assert isinstance(fp8.CurrentScaling(), fp8.Fp8Recipe)
   assert isinstance(delayed, fp8.Fp8Recipe)
   assert fp8.CurrentScaling("float8_e5m2").fwd_dtype == E5M2

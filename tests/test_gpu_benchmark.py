@@ -87,7 +87,13 @@ def test_smoke_writes_every_recipe(smoke):
   assert result["sections"]["recipes"]["rows"] == rows
 
 
-@pytest.mark.parametrize("name", [n for n in _gpu_recipes.RECIPES if n not in TIMED])
+# Run a step in test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy: the stateless fp8
+# recipes, and delayed scaling calibrated at init with no per-step select (NaN if uncalibrated).
+FP8_RUN = [*_gpu_recipes.FP8_RECIPES, "fp8_delayed_calibrated"]
+LOWERED = [n for n in _gpu_recipes.RECIPES if n not in TIMED and n not in FP8_RUN]
+
+
+@pytest.mark.parametrize("name", LOWERED)
 def test_every_recipe_lowers(name):
   config, batch = gpu.SMOKE.model, gpu.SMOKE.batch
   tokens = jax.random.randint(jax.random.key(0), (batch, config["length"]), 0, config["vocab"])
@@ -97,6 +103,33 @@ def test_every_recipe_lowers(name):
   assert "dot_general" in lowered.as_text()
   _, loss = jax.eval_shape(spec.step, state, tokens)
   assert loss.shape == () and loss.dtype == jnp.float32
+
+
+@pytest.fixture(scope="module")
+def smoke_batch():
+  config, batch = gpu.SMOKE.model, gpu.SMOKE.batch
+  tokens = jax.random.randint(jax.random.key(0), (batch, config["length"]), 0, config["vocab"])
+  return config, tokens, _gpu_recipes.init_params(config, tokens)
+
+
+def _first_step(name, config, tokens, params):
+  spec = _gpu_recipes.RECIPES[name].build(config)
+  step = jax.jit(spec.step)
+  state = spec.init(params, tokens)
+  return step, state, step(state, tokens)
+
+
+@pytest.mark.parametrize("name", FP8_RUN)
+def test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy(name, smoke_batch):
+  config, tokens, params = smoke_batch
+  _, _, (_, bf16_loss) = _first_step("policy_bf16", config, tokens, params)
+  step, state, (new_state, loss) = _first_step(name, config, tokens, params)
+  new_params = new_state[0]  # (params, opt_state), or (params, fp8 state, opt_state)
+  # The first loss is the bf16 policy's to fp8's error (the same parameters and batch).
+  assert abs(float(loss) - float(bf16_loss)) < 0.02 * float(bf16_loss), (loss, bf16_loss)
+  assert "f8e4m3fn" in step.lower(state, tokens).as_text().lower()  # MLIR's f8E4M3FN: fp8
+  moved = lambda a, b: bool(jnp.all(jnp.isfinite(a)) and jnp.any(a != b))
+  assert all(jax.tree.leaves(jax.tree.map(moved, new_params, params))), name
 
 
 def test_smoke_sizes_reuse_the_recipes_rows(smoke):

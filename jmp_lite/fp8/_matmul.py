@@ -127,6 +127,7 @@ class DotSpec(NamedTuple):
   fwd_precision: Any  # lax.Precision.DEFAULT lets XLA:GPU use fast fp8 accumulation
   bwd_precision: Any
   power_of_2: bool = False  # current scales rounded up to a power of two
+  trust_state: bool = False  # delayed scales used as they are: no own-amax fallback, no select
 
 
 class PerTensorFormats(Protocol):
@@ -173,8 +174,14 @@ def scale_for(state_scale, amax, dtype, spec) -> jax.Array:
   scaling, the state's, unless the state has none yet (a scale of 0: a fresh
   state whose history never saw a nonzero amax), when it is the tensor's own
   too, so that a first step cannot flush or saturate a tensor silently.
+  With ``spec.trust_state`` (a state calibrated before the first step) the
+  state's scale is used as it is and a missing one is NaN: the tensor's
+  quantization reads nothing of its amax (no select, so it fuses with the
+  amax's pass), and an uncalibrated tensor makes the product NaN, not zero.
   """
   known = state_scale > 0
+  if spec.trust_state and not spec.current_scaling:
+    return jnp.where(known, state_scale, jnp.float32(jnp.nan))
   own = compute_scale(amax, jnp.where(known, state_scale, 1.0), dtype, spec.margin)
   if spec.power_of_2:
     own = power_of_2_above(own)
@@ -332,10 +339,12 @@ def per_tensor_dot(
   *,
   current: bool,
   power_of_2: bool = False,
+  trust_state: bool = False,
 ) -> jax.Array:
   """The per-tensor fp8 matmul (:func:`fp8_dot`) for a call, with delayed or current scales.
 
   ``state`` None (current scaling only) quantizes a zero tensor with a scale of 1.
+  ``trust_state`` (delayed scaling): the state's scales as they are (:func:`scale_for`).
   """
   if state is None:
     one = jnp.ones((), F32)
@@ -357,6 +366,7 @@ def per_tensor_dot(
     config.margin,
     *_precisions(config),
     power_of_2,
+    trust_state,
   )
   kernel = DOT_KERNEL.current() or fp8_dot
   return kernel(lhs, rhs, scales, Fp8DotAmax(*probe), loss_scale, spec)

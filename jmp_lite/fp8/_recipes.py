@@ -150,6 +150,9 @@ class CurrentScaling(_Stateless):
     return per_tensor_dot(call, None, None, self, current=True, power_of_2=self.power_of_2)
 
 
+FIRST_STEPS = ("own_amax", "calibrated")
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling(Fp8Config):
   r"""Per-tensor delayed scaling: scales from an amax history (:class:`Fp8Config`'s fields).
@@ -161,7 +164,21 @@ class DelayedScaling(Fp8Config):
   step cannot flush or saturate silently; :func:`calibrate` sets the scales
   from a batch before that step instead. An :class:`Fp8Config` given as a
   recipe is this recipe.
+
+  Attributes:
+    first_step: ``"own_amax"`` (default): a tensor without a scale yet is
+      quantized with its own amax, a select in every step. ``"calibrated"``:
+      the state is calibrated (:func:`calibrate`) before the first step and
+      its scales are used as they are, with no select; a tensor still without
+      a scale (uncalibrated, or all zero when calibrated) makes the step's
+      products NaN, never zero.
   """
+
+  first_step: str = "own_amax"
+
+  def __post_init__(self):
+    super().__post_init__()
+    _validation.check_choice(self.first_step, "first_step", FIRST_STEPS)
 
   def init_state(self) -> Fp8DotState:
     """A fresh state.
@@ -182,7 +199,8 @@ class DelayedScaling(Fp8Config):
     Returns:
       The product.
     """
-    return per_tensor_dot(call, state, amax, self, current=False)
+    trust = self.first_step == "calibrated"
+    return per_tensor_dot(call, state, amax, self, current=False, trust_state=trust)
 
 
 WEIGHT_GRADS = ("fp8", "compute_dtype")
