@@ -281,8 +281,8 @@ def test_layerwise_scale_collapses_when_a_stage_sits_at_its_minimum():
   params = {"a": jnp.ones(2), "b": jnp.ones(2)}
   state, monitor = tx.init(params), diag.LossScaleMonitor.create(window=4)
   # What the layer-wise value-and-grad returns when stage 0's gradient is NaN.
-  no_boundary = jl.BoundaryStats(jnp.zeros(1), jnp.zeros((1, jl.layerwise.HIST_BINS)))
-  nan = jl.LayerwiseGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
+  no_boundary = jl.layerwise.BoundaryStats(jnp.zeros(1), jnp.zeros((1, jl.layerwise.HIST_BINS)))
+  nan = jl.layerwise.LayerwiseGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
 
   @jit
   def step(state, monitor):
