@@ -1,6 +1,7 @@
 """Gradient statistics, loss-scale health and culprit naming."""
 
 import functools
+import re
 
 import equinox as eqx
 import flax.linen as nn
@@ -241,6 +242,16 @@ def test_collapse_after_k_steps_at_minimum():
   # Without a monitor: consecutive skips while at the minimum, a lower bound.
   assert [int(b.steps_at_minimum) for _, b in healths] == [0, 2, 3, 4, 5, 6, 7, 8]
   assert "COLLAPSED" in healths[-1][0].describe()
+
+
+def test_advice_names_public_functions():
+  scale = jl.DynamicLossScale(jnp.float32(8), min_loss_scale=2.0)
+  collapsed = run_updates([False] * 8, scale, max_steps_at_minimum=3)[-1][0].describe()
+  scale = jl.DynamicLossScale(jnp.float32(2.0**10), period=1)
+  skipping = run_updates([True, False] * 6, scale, window=4, max_skip_rate=0.25)[-1][0]
+  named = re.findall(r"\bjl\.([\w.]+)\(", collapsed + skipping.describe())
+  assert sorted(set(named)) == ["audit", "diagnostics.likely_culprits"]
+  assert jl.diagnostics.likely_culprits.__name__ == "likely_culprits"
 
 
 def test_recovering_run_is_healthy():
