@@ -26,7 +26,14 @@ from jmp_lite._audit import (
   audit_jaxpr,
 )
 from jmp_lite._autocast import AUTOCAST_TABLE, autocast, full_precision
-from jmp_lite._dtypes import FORMATS, FormatInfo, format_info, half_dtype, parse_dtype
+from jmp_lite._dtypes import (
+  FORMATS,
+  FormatInfo,
+  format_info,
+  half_dtype,
+  parse_dtype,
+  scalar_type,
+)
 from jmp_lite._loss_scale import (
   DynamicLossScale,
   LossScale,
@@ -67,6 +74,7 @@ __all__ = (
   "format_info",
   "half_dtype",
   "parse_dtype",
+  "scalar_type",
   # Precision policies
   "Policy",
   "get_policy",
@@ -107,54 +115,17 @@ __all__ = (
   "check_loss_scaling",
 )
 
+# Imported on first use: `import jmp_lite` imports neither Flax nor matplotlib.
 _LAZY_NAMESPACES = ("flax", "plotting")
-# Modules that became private (jmp_lite/_policy.py...); `jl.policy.get_policy` keeps working.
-_OLD_MODULES = ("dtypes", "policy", "loss_scale", "transform")
-
-# Names that were top-level before they moved into a namespace; they keep working here.
-_MOVED = {
-  **dict.fromkeys(
-    (
-      "Fp8Config",
-      "Fp8DotAmax",
-      "Fp8DotState",
-      "Fp8Policy",
-      "Fp8ScaleState",
-      "get_fp8_policy",
-    ),
-    "fp8",
-  ),
-  **dict.fromkeys(
-    ("BoundaryStats", "LayerwiseGrads", "StackedStages", "check_stages", "stages_from_paths"),
-    "layerwise",
-  ),
-  **dict.fromkeys(
-    (
-      "Culprit",
-      "GradientStats",
-      "LossScaleHealth",
-      "LossScaleMonitor",
-      "every_n_steps",
-      "gradient_statistics",
-      "likely_culprits",
-      "loss_scale_health",
-      "parameter_order",
-      "stats_to_metrics",
-    ),
-    "diagnostics",
-  ),
-}
 
 
 def __getattr__(name: str) -> Any:
   import importlib  # here, so that the module has no `importlib` attribute
 
-  if name in _LAZY_NAMESPACES or name in _OLD_MODULES:
+  if name in _LAZY_NAMESPACES:
     return importlib.import_module(f"jmp_lite.{name}")
-  if name in _MOVED:
-    return getattr(importlib.import_module(f"jmp_lite.{_MOVED[name]}"), name)
   raise AttributeError(f"module 'jmp_lite' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-  return sorted({*globals(), *_LAZY_NAMESPACES, *_MOVED})
+  return sorted({*globals(), *_LAZY_NAMESPACES})

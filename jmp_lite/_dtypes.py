@@ -17,23 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The public names; `jmp_lite/dtypes.py` (the module's old path) re-exports them.
-__all__ = [
-  "ACCEPTED_NAMES",
-  "DTypeLike",
-  "FLOAT8_DTYPES",
-  "FORMATS",
-  "FormatInfo",
-  "ScalarType",
-  "dtype_name",
-  "format_info",
-  "half_dtype",
-  "half_dtype_for",
-  "is_float8",
-  "parse_dtype",
-  "scalar_type",
-]
-
 DTypeLike = Any  # a dtype name, np.dtype, or scalar type such as jnp.bfloat16
 ScalarType = Any  # a JAX scalar type such as jnp.bfloat16 (typed Any in jax.numpy's stubs)
 
@@ -136,7 +119,8 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
     value: a name (``"bf16"``, ``"bfloat16"``, ``"f16"``, ``"float16"``,
       ``"f32"``, ``"float32"``, ``"full"``, ``"f64"``, ``"float64"``,
       ``"half"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` and the short forms
-      in ``ACCEPTED_NAMES``; case and surrounding whitespace are ignored) or
+      ``"fp16"``, ``"fp32"``, ``"e4m3"``, ``"e5m2"``...; the error for an unknown
+      name lists them all; case and surrounding whitespace are ignored) or
       any dtype-like object (``np.dtype``, ``jnp.bfloat16``, ``np.float32``).
 
   Returns:
@@ -282,7 +266,9 @@ def half_dtype(device: jax.Device | None = None) -> ScalarType:
   """The native 16-bit format of ``device``.
 
   Unlike jmp, which returns float16 everywhere but TPU, this returns bfloat16
-  wherever the hardware computes it natively; see :func:`half_dtype_for`.
+  wherever the hardware computes it natively: on TPU, CPU, AMD GPUs and NVIDIA
+  GPUs of compute capability 8.0 and newer; float16 on older NVIDIA GPUs, where
+  bf16 is emulated and slow.
 
   Args:
     device: a JAX device (default: the first local device).

@@ -35,16 +35,6 @@ from jax import lax
 
 from jmp_lite import _finite, _tree_util, _validation
 
-# The public names; `jmp_lite/loss_scale.py` (the module's old path) re-exports them.
-__all__ = [
-  "DynamicLossScale",
-  "LossScale",
-  "NoOpLossScale",
-  "StaticLossScale",
-  "all_finite",
-  "select_tree",
-]
-
 T = TypeVar("T")
 
 # A differentiation transform with `jax.value_and_grad`'s signature (`fun, argnums, has_aux`),

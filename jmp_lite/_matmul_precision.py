@@ -1,6 +1,6 @@
-"""How a 16-bit matmul states fp32 accumulation, per platform (see ``jmp_lite.flax.accumulate``).
+"""How a 16-bit matmul states fp32 accumulation, per platform (see ``jmp_lite.flax.dot_general``).
 
-Shared by :mod:`jmp_lite.flax.accumulate`'s kernels and :func:`jmp_lite.autocast`, which
+Shared by the 16-bit kernels of :mod:`jmp_lite.flax` and :func:`jmp_lite.autocast`, which
 rewrites a program's matmuls to 16-bit operands the same way.
 """
 

@@ -31,9 +31,6 @@ import numpy as np
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import E4M3, E5M2, Fp8Config, as_config, as_fp8_dtype
 
-# The public names; `jmp_lite/policy.py` (the module's old path) re-exports them.
-__all__ = ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
-
 T = TypeVar("T")
 
 # Keras' global mixed precision policies: fp32 variables, 16-bit compute, and
@@ -92,10 +89,10 @@ def cast_floating(tree: T, dtype: dtypes.DTypeLike) -> T:
 class Policy:
   """Dtypes for parameters, computation and outputs (hashable, jit-static).
 
-  Each dtype may be given as a name accepted by :func:`jmp_lite.dtypes.parse_dtype`
+  Each dtype may be given as a name accepted by :func:`jmp_lite.parse_dtype`
   or any dtype-like object; as in jmp it is stored as the JAX scalar type
   (``jnp.float32``, ``jnp.bfloat16``, ``jnp.float8_e4m3fn``...; see
-  :func:`jmp_lite.dtypes.scalar_type`): callable (``policy.compute_dtype(1.0)``
+  :func:`jmp_lite.scalar_type`): callable (``policy.compute_dtype(1.0)``
   is an array), a dict key next to ``jnp.float16``, equal to the ``np.dtype``,
   and ``jnp.dtype(policy.compute_dtype)`` is that ``np.dtype``. fp8 formats are
   accepted for ``compute_dtype`` only: parameters and outputs in 8 bits would

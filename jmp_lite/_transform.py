@@ -34,15 +34,6 @@ import optax
 from jmp_lite import _tree_util
 from jmp_lite._loss_scale import LossScale, ValueAndGradTransform
 
-# The public names; `jmp_lite/transform.py` (the module's old path) re-exports them.
-__all__ = [
-  "LossScalingState",
-  "get_loss_scale",
-  "get_loss_scaling_state",
-  "loss_scaling",
-  "scaled_value_and_grad",
-]
-
 
 class LossScalingState(NamedTuple):
   """State of :func:`loss_scaling`.

@@ -1,6 +1,7 @@
 """Gradient statistics, loss-scale health and culprit naming."""
 
 import functools
+import re
 
 import equinox as eqx
 import flax.linen as nn
@@ -243,6 +244,16 @@ def test_collapse_after_k_steps_at_minimum():
   assert "COLLAPSED" in healths[-1][0].describe()
 
 
+def test_advice_names_public_functions():
+  scale = jl.DynamicLossScale(jnp.float32(8), min_loss_scale=2.0)
+  collapsed = run_updates([False] * 8, scale, max_steps_at_minimum=3)[-1][0].describe()
+  scale = jl.DynamicLossScale(jnp.float32(2.0**10), period=1)
+  skipping = run_updates([True, False] * 6, scale, window=4, max_skip_rate=0.25)[-1][0]
+  named = re.findall(r"\bjl\.([\w.]+)\(", collapsed + skipping.describe())
+  assert sorted(set(named)) == ["audit", "diagnostics.likely_culprits"]
+  assert jl.diagnostics.likely_culprits.__name__ == "likely_culprits"
+
+
 def test_recovering_run_is_healthy():
   # Two overflows at the start (the scale backs off), then clean steps: no alarm. The
   # scale reaches its minimum on the way but leaves it, so it never collapses.
@@ -281,8 +292,8 @@ def test_layerwise_scale_collapses_when_a_stage_sits_at_its_minimum():
   params = {"a": jnp.ones(2), "b": jnp.ones(2)}
   state, monitor = tx.init(params), diag.LossScaleMonitor.create(window=4)
   # What the layer-wise value-and-grad returns when stage 0's gradient is NaN.
-  no_boundary = jl.BoundaryStats(jnp.zeros(1), jnp.zeros((1, jl.layerwise.HIST_BINS)))
-  nan = jl.LayerwiseGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
+  no_boundary = jl.layerwise.BoundaryStats(jnp.zeros(1), jnp.zeros((1, jl.layerwise.HIST_BINS)))
+  nan = jl.layerwise.LayerwiseGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
 
   @jit
   def step(state, monitor):

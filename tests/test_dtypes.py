@@ -158,7 +158,7 @@ def test_half_dtype_is_callable_like_jmps():
   ],
 )
 def test_scalar_type(value, expected):
-  scalar = dtypes.scalar_type(value)
+  scalar = jl.scalar_type(value)
   assert scalar is expected
   assert scalar == np.dtype(expected) and np.dtype(scalar) == np.dtype(expected)
   assert hash(scalar) == hash(np.dtype(expected).type)  # finds dict keys np.float16 and jnp.float16
@@ -168,14 +168,14 @@ def test_scalar_type_without_a_jax_name_is_numpys():
   # No jax.numpy alias for long double: NumPy's scalar type, callable and hashable too.
   if np.dtype(np.longdouble) == np.dtype(np.float64):
     pytest.skip("long double is float64 on this platform")
-  assert dtypes.scalar_type(np.longdouble) is np.longdouble
+  assert jl.scalar_type(np.longdouble) is np.longdouble
 
 
 def test_scalar_type_rejects_what_parse_dtype_rejects():
   with pytest.raises(TypeError, match="int32"):
-    dtypes.scalar_type(jnp.int32)
+    jl.scalar_type(jnp.int32)
   with pytest.raises(ValueError, match="Unknown dtype name"):
-    dtypes.scalar_type("f33")
+    jl.scalar_type("f33")
 
 
 def test_half_dtype_for_unknown_platform():

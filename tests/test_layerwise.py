@@ -460,7 +460,7 @@ def test_scanned_stack_with_traced_boundary_index():
     h, _ = jax.lax.scan(body, x.astype(dtype), xs)
     return jnp.mean(((h.astype(jnp.float32) @ p["head"]) - y) ** 2)
 
-  stages = {"stack": jl.StackedStages(range(depth)), "head": depth}
+  stages = {"stack": layerwise.StackedStages(range(depth)), "head": depth}
   scale = jl.LayerwiseLossScale(stages)
   assert scale.num_stages == depth + 1
   scales = 2.0 ** np.asarray([18, 15, 12, 9, 6])
@@ -514,7 +514,7 @@ def test_trains_like_fp32_through_loss_scaling_traced_once():
 def trained_state():
   """(params, state after one step) of a small layer-wise run, computed once for the module."""
   scale = jl.LayerwiseLossScale(
-    {"a": 0, "b": jl.StackedStages([1, 2])}, update_period=7, min_loss_scale=[1.0, 2.0, 4.0]
+    {"a": 0, "b": layerwise.StackedStages([1, 2])}, update_period=7, min_loss_scale=[1.0, 2.0, 4.0]
   )
   tx = jl.loss_scaling(optax.sgd(1.0), scale)
   params = {"a": jnp.ones(2), "b": jnp.ones((2, 3))}
@@ -591,7 +591,7 @@ def test_bad_usage_errors():
     scale.value_and_grad(lambda p: jnp.sum(jl.stage_boundary(p[0], 1)))([jnp.ones(2)] * 2)
   with pytest.raises(TypeError, match="argnums"):
     scale.value_and_grad(lambda p: p, argnums=(0, 1))
-  stacked = jl.LayerwiseLossScale({"s": jl.StackedStages([0, 1])})
+  stacked = jl.LayerwiseLossScale({"s": layerwise.StackedStages([0, 1])})
   with pytest.raises(ValueError, match="leading axis"):
     stacked.unscale({"s": jnp.ones((3, 2))})
 
@@ -600,16 +600,16 @@ def test_check_stages_accepts_correct_models():
   params = _params()
   x, y = _batch()
   scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4])
-  jl.check_stages(deep_tanh, scale, params, x, y)
-  jl.check_stages(residual_blocks, scale, params, x, y)
+  layerwise.check_stages(deep_tanh, scale, params, x, y)
+  layerwise.check_stages(residual_blocks, scale, params, x, y)
   # A keyword that is not an array is a constant of a compilation of its own.
-  jl.check_stages(deep_tanh, scale, params, x, y, dtype=jnp.bfloat16)
+  layerwise.check_stages(deep_tanh, scale, params, x, y, dtype=jnp.bfloat16)
   compiled = _check._grads_and_boundary_amax._cache_size()
   # Unequal scales (ratios other than 1), passed through an optimizer state. The same loss
   # with array arguments of the same shapes: the first call's compiled gradient serves.
   state = jl.loss_scaling(optax.sgd(0.1), scale).init(params)
   uneven = scale.with_scales(jnp.asarray(2.0 ** np.asarray([14, 10, 12, 9, 8]), jnp.float32))
-  jl.check_stages(deep_tanh, state._replace(loss_scale=uneven), params, x, y)
+  layerwise.check_stages(deep_tanh, state._replace(loss_scale=uneven), params, x, y)
   assert _check._grads_and_boundary_amax._cache_size() == compiled
 
 
@@ -620,7 +620,7 @@ def test_check_stages_finds_wrong_stages_tied_weights_and_bypasses():
   with pytest.raises(
     ValueError, match=r"\[2\]\['w'\], assigned to stage 3; it behaves like stage 2"
   ):
-    jl.check_stages(deep_tanh, jl.LayerwiseLossScale([0, 1, 3, 3, 4]), params, x, y)
+    layerwise.check_stages(deep_tanh, jl.LayerwiseLossScale([0, 1, 3, 3, 4]), params, x, y)
 
   def tied(p, x, y):  # layer 0's weights reused in stage 3
     h = x.astype(jnp.float16)
@@ -636,7 +636,7 @@ def test_check_stages_finds_wrong_stages_tied_weights_and_bypasses():
     match=r"\[0\]\['w'\], assigned to stage 0: 0: 0\.\d{4,}, 1: 0\.\d{4,}, 2: 0\.\d{4,}, 3: 1\n"
     r"    largest deviation 0\.\d{4,} \(at boundary 0\)",
   ) as e:
-    jl.check_stages(tied, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y)
+    layerwise.check_stages(tied, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y)
   assert "[3]['w']" not in str(e.value)  # unused: a zero gradient is not reported
 
   def bypass(p, x, y):  # stage 0's output also feeds stage 3 directly
@@ -651,7 +651,7 @@ def test_check_stages_finds_wrong_stages_tied_weights_and_bypasses():
   with pytest.raises(
     ValueError, match=r"\[0\]\['w'\], assigned to stage 0: 0: 0\.\d+, 1: 0\.\d+, 2: 0\.\d+, 3: 1\n"
   ):
-    jl.check_stages(bypass, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y)
+    layerwise.check_stages(bypass, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y)
 
 
 def test_check_stages_on_a_scanned_stack():
@@ -669,21 +669,25 @@ def test_check_stages_on_a_scanned_stack():
     return jnp.mean((jnp.sum(h, -1) - y) ** 2)
 
   # The last boundary (index 2) leads to stage 3, which has no parameters.
-  jl.check_stages(
-    model, jl.LayerwiseLossScale({"stack": jl.StackedStages([0, 1, 2])}, num_stages=4), params, x, y
+  layerwise.check_stages(
+    model,
+    jl.LayerwiseLossScale({"stack": layerwise.StackedStages([0, 1, 2])}, num_stages=4),
+    params,
+    x,
+    y,
   )
   with pytest.raises(
     ValueError, match=r"\['stack'\]\[1\], assigned to stage 2; it behaves like stage 1"
   ):
-    jl.check_stages(
+    layerwise.check_stages(
       model,
-      jl.LayerwiseLossScale({"stack": jl.StackedStages([0, 2, 2])}, num_stages=4),
+      jl.LayerwiseLossScale({"stack": layerwise.StackedStages([0, 2, 2])}, num_stages=4),
       params,
       x,
       y,
     )
   with pytest.raises(TypeError, match="LayerwiseLossScale"):
-    jl.check_stages(model, jl.DynamicLossScale(2.0**15), params, x, y)
+    layerwise.check_stages(model, jl.DynamicLossScale(2.0**15), params, x, y)
 
 
 def deep_fp16_mlp(p, x, y):
@@ -722,7 +726,7 @@ def test_check_stages_accepts_a_deep_fp16_mlp():
   # XLA rounds differently in the tangent and in the gradient.
   loss, params, x, y = _deep_fp16_mlp(34)
   # Now every share is exactly 0 or 1.
-  jl.check_stages(loss, jl.LayerwiseLossScale(list(range(34))), params, x, y, tolerance=0)
+  layerwise.check_stages(loss, jl.LayerwiseLossScale(list(range(34))), params, x, y, tolerance=0)
 
 
 def test_check_stages_names_only_a_wrong_index_in_a_deep_fp16_mlp():
@@ -730,7 +734,7 @@ def test_check_stages_names_only_a_wrong_index_in_a_deep_fp16_mlp():
   stages = list(range(34))
   stages[9] = 10
   with pytest.raises(ValueError) as e:
-    jl.check_stages(loss, jl.LayerwiseLossScale(stages), params, x, y)
+    layerwise.check_stages(loss, jl.LayerwiseLossScale(stages), params, x, y)
   message = str(e.value)
   assert message.count("assigned to stage") == 2  # ['w'] and ['b'] of layer 9, nothing else
   # The shares are exact: 0 below boundary 9, 1 from it on.
@@ -753,14 +757,18 @@ def test_check_stages_chooses_its_own_scales():
     ValueError,
     match=r"\[2\]\['w'\], assigned to stage 3; it behaves like stage 2: 0: 0, 1: 0, 2: 1",
   ):
-    jl.check_stages(deep_tanh, wrong, params, x, y)
+    layerwise.check_stages(deep_tanh, wrong, params, x, y)
   # A loss that is NaN at every scale cannot be checked: said, not passed.
   with pytest.raises(
     ValueError, match=r"needs finite gradients, but the backward pass of stages \[0, 1, 2, 3, 4\]"
   ):
-    jl.check_stages(deep_tanh, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y * jnp.nan)
+    layerwise.check_stages(
+      deep_tanh, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y * jnp.nan
+    )
   with pytest.raises(ValueError, match=r"tolerance must be in \[0, 1\), got -0\.1"):
-    jl.check_stages(deep_tanh, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y, tolerance=-0.1)
+    layerwise.check_stages(
+      deep_tanh, jl.LayerwiseLossScale([0, 1, 2, 3, 4]), params, x, y, tolerance=-0.1
+    )
 
 
 def test_scale_refuses_a_plain_grad_and_unscale_takes_layerwise_grads():
@@ -781,7 +789,7 @@ def test_scale_refuses_a_plain_grad_and_unscale_takes_layerwise_grads():
 
 
 def test_configuration_is_a_dataclass_with_the_users_param_stages():
-  stages = {"enc": {"w": 0}, "dec": {"w": 1, "stack": jl.StackedStages([1, 2])}}
+  stages = {"enc": {"w": 0}, "dec": {"w": 1, "stack": layerwise.StackedStages([1, 2])}}
   scale = jl.LayerwiseLossScale(stages, initial_scale=[2.0**12, 2.0**8, 2.0**4])
   assert scale.param_stages == stages
   assert "param_stages={'dec': {'stack': (1, 2), 'w': 1}, 'enc': {'w': 0}}" in repr(scale)
@@ -812,7 +820,7 @@ def test_fp8_refuses_a_layerwise_loss_scale():
       jnp.ones((2, 4)), jnp.ones((4, 3)), (((1,), (0,)), ((), ())), state, loss_scale=scale
     )
   with pytest.raises(TypeError, match="each stage its own"):
-    jl.gradient_statistics({"w": jnp.ones(2)}, loss_scale=scale)
+    jl.diagnostics.gradient_statistics({"w": jnp.ones(2)}, loss_scale=scale)
 
 
 def test_non_float_leaves_are_named_by_the_users_argument_names():

@@ -1,9 +1,10 @@
 """The package's layout rules (docs/development.md), checked on the source.
 
-Sizes: no module over 700 lines, no class over 250, no function over 100. Privacy: no module
-imports another module's ``_name``. Layers: imports flow one way (dtypes -> policy -> loss
-scales -> transform -> layer-wise/fp8/checks -> flax), and only ``jmp_lite/flax`` imports
-Flax. Weight: ``import jmp_lite`` imports nothing that ``import jax, optax`` does not.
+Sizes: no module over 700 lines, no class over 250, no function over 100. Privacy: the public
+modules are the namespaces, and no module imports another module's ``_name``. Layers: imports
+flow one way (dtypes -> policy -> loss scales -> transform -> layer-wise/fp8/checks -> flax),
+and only ``jmp_lite/flax`` imports Flax. Weight: ``import jmp_lite`` imports nothing that
+``import jax, optax`` does not.
 """
 
 import ast
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from package_testing import NAMESPACES
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jmp_lite"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
@@ -19,12 +21,12 @@ MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 700, 250, 100
 
 # The lowest layer first; a module may import its own layer or a lower one.
 LAYERS = (
-  ("_validation", "_tree_util", "_context", "_jaxpr", "_dtypes", "dtypes", "_frames"),
+  ("_validation", "_tree_util", "_context", "_jaxpr", "_dtypes", "_frames"),
   ("_matmul_precision",),
-  ("_finite", "_fp8_config", "_policy", "policy", "_policy_scope"),
+  ("_finite", "_fp8_config", "_policy", "_policy_scope"),
   ("_autocast",),
-  ("_loss_scale", "loss_scale"),
-  ("_transform", "transform", "_rounding", "_low_precision_params"),
+  ("_loss_scale",),
+  ("_transform", "_rounding", "_low_precision_params"),
   ("layerwise", "fp8", "_audit", "_step_check", "diagnostics", "_plotting", "plotting"),
   ("flax",),
   ("__init__",),
@@ -54,6 +56,18 @@ def _imports(tree: ast.Module):
         yield alias.name, ()
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
       yield node.module, tuple(alias.name for alias in node.names)
+
+
+def test_public_modules_are_the_namespaces():
+  # Code lives in private modules; a public module is a curated namespace, never a second path
+  # to names another namespace exports. Flax's module name `dynamic_scale` is kept so that
+  # `from jmp_lite.flax import dynamic_scale as dynamic_scale_lib` replaces Flax's import.
+  public = {
+    module
+    for module in map(_module_name, SOURCES)
+    if not any(part.startswith("_") for part in module.split("."))
+  }
+  assert public == {*NAMESPACES, "jmp_lite.flax.dynamic_scale"}
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))

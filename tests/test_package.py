@@ -6,8 +6,6 @@ import subprocess
 import sys
 import types
 
-import pytest
-
 import jmp_lite as jl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,42 +78,18 @@ def test_star_import_keeps_the_users_flax():
   assert user_module.get_policy is jl.get_policy
 
 
-def test_moved_names_keep_working_at_their_old_place():
-  for name, namespace in jl._MOVED.items():
-    assert getattr(jl, name) is getattr(getattr(jl, namespace), name), name
-    assert name in getattr(jl, namespace).__all__, name
-    assert name not in jl.__all__ and name in dir(jl)
-  assert jl.fp8.Fp8Config is jl.Fp8Config and jl.diagnostics.every_n_steps is jl.every_n_steps
-  with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-    jl.not_a_name  # noqa: B018
-
-
-def test_old_flax_modules_are_attributes_of_jmp_lite_flax():
-  # In a fresh process: here earlier tests may have imported the submodules already.
+def test_namespaces_are_attributes_and_other_names_are_not():
+  # In a fresh process, so that no earlier test has imported jmp_lite.flax or jmp_lite.plotting.
   code = (
-    "import jmp_lite as jl\n"
-    "assert jl.flax.accumulate.dot_general is jl.flax.dot_general\n"
-    "assert jl.flax.train_state.TrainState is jl.flax.TrainState\n"
-    "from jmp_lite.dtypes import DTypeLike, ScalarType\n"
-    "from jmp_lite.flax.accumulate import is_16bit_float\n"
-    "try:\n  jl.flax.not_a_module\nexcept AttributeError as e:\n  print(e)\n"
+    "import sys, jmp_lite as jl\n"
+    "assert 'jmp_lite.flax' not in sys.modules and 'jmp_lite.plotting' not in sys.modules\n"
+    "assert jl.flax.__name__ == 'jmp_lite.flax' and jl.plotting.__name__ == 'jmp_lite.plotting'\n"
+    "assert {'flax', 'plotting', 'fp8', 'layerwise', 'diagnostics'} <= set(dir(jl))\n"
+    "for name in ('Fp8Config', 'check_stages', 'gradient_statistics', 'policy', 'dtypes'):\n"
+    "  try:\n    getattr(jl, name)\n  except AttributeError as e:\n    print(e)\n"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == "module 'jmp_lite.flax' has no attribute 'not_a_module'"
-
-
-def test_old_module_paths_are_aliases_of_the_private_modules():
-  import jmp_lite._policy
-  import jmp_lite.dtypes
-  import jmp_lite.flax._linen
-  import jmp_lite.flax.linen
-  import jmp_lite.loss_scale
-  import jmp_lite.policy
-  import jmp_lite.transform
-
-  assert jmp_lite.policy.get_policy is jmp_lite._policy.get_policy is jl.get_policy
-  assert jmp_lite.loss_scale.DynamicLossScale is jl.DynamicLossScale
-  assert jmp_lite.transform.loss_scaling is jl.loss_scaling
-  assert jmp_lite.dtypes.FORMATS is jl.FORMATS
-  assert jmp_lite.flax.linen.policy_apply is jmp_lite.flax._linen.policy_apply
-  assert jl.transform.loss_scaling is jl.loss_scaling and jl.policy.Policy is jl.Policy
+  assert out.stdout.splitlines() == [
+    f"module 'jmp_lite' has no attribute {name!r}"
+    for name in ("Fp8Config", "check_stages", "gradient_statistics", "policy", "dtypes")
+  ]

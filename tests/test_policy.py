@@ -129,7 +129,7 @@ def test_policy_dtypes_are_jax_scalar_types(text, expected):
 def test_modules_that_name_policy_dtypes_accept_scalar_types():
   # Error and warning messages elsewhere print a policy's dtypes by name.
   with pytest.raises(ValueError, match="compute dtype float8_e4m3fn"):
-    jl.Fp8Policy(jl.get_policy("c=e4m3"))
+    jl.fp8.Fp8Policy(jl.get_policy("c=e4m3"))
 
   import flax.linen as nn
 

@@ -142,13 +142,13 @@ class LossScaleHealth(NamedTuple):
         "consecutive steps and gradients are still non-finite. Lowering the scale does not "
         "help: something produces inf/NaN independent of the scale (an op overflowing in "
         "16 bits, a log of 0, a NaN in the data). Find the layer with "
-        "jl.likely_culprits(stats) and the op with jl.audit(...)."
+        "jl.diagnostics.likely_culprits(stats) and the op with jl.audit(...)."
       )
     if bool(h.skip_rate_too_high):
       lines.append(
         f"TOO MANY SKIPS: {float(h.skip_rate):.0%} of recent steps were skipped, so the "
         "model barely trains. If the scale oscillates, raise hysteresis or lower the growth "
-        "(larger period); if it sits low, see jl.likely_culprits(stats)."
+        "(larger period); if it sits low, see jl.diagnostics.likely_culprits(stats)."
       )
     if not bool(h.unhealthy):
       lines.append("healthy.")

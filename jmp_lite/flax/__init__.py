@@ -24,8 +24,6 @@
   scaling for linen and NNX layers.
 """
 
-from typing import Any
-
 from jmp_lite.flax._accumulate import conv_general_dilated, dot_general, einsum
 from jmp_lite.flax._attention import dot_product_attention, softmax
 from jmp_lite.flax._dynamic_scale import DynamicScale, DynamicScaleResult
@@ -79,24 +77,3 @@ __all__ = (
   "LayerwiseStages",
   "layerwise_stages",
 )
-
-# Modules whose implementation became private (jmp_lite/flax/_linen.py...): their old paths are
-# alias modules, and `jl.flax.linen.policy_apply` keeps working as an attribute too.
-_OLD_MODULES = (
-  "accumulate",
-  "attention",
-  "layerwise",
-  "linen",
-  "module_policy",
-  "nnx",
-  "optimizer",
-  "train_state",
-)
-
-
-def __getattr__(name: str) -> Any:
-  import importlib  # here, so that the module has no `importlib` attribute
-
-  if name in _OLD_MODULES:
-    return importlib.import_module(f"jmp_lite.flax.{name}")
-  raise AttributeError(f"module 'jmp_lite.flax' has no attribute {name!r}")

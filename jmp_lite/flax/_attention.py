@@ -37,7 +37,7 @@ Array([[-0.5,  0. ,  0.5],
 :func:`dot_product_attention` is a drop-in ``attention_fn`` for Flax's linen
 ``MultiHeadDotProductAttention`` and NNX ``MultiHeadAttention``: it accepts
 the keyword arguments either passes, computes both matmuls with
-:func:`~jmp_lite.flax.accumulate.einsum` (16-bit products) and the softmax
+:func:`~jmp_lite.flax.einsum` (16-bit products) and the softmax
 with :func:`softmax`. With its own einsums, no dropout and as many key as query
 heads, the softmax and ``p @ v`` share one backward pass, which takes the row
 sums :math:`\langle \bar p, p \rangle` as :math:`\langle \overline{out}, out \rangle`

@@ -3,8 +3,8 @@
 Flax's dense, convolution, einsum and attention layers take their kernel as
 an attribute (``dot_general``, ``conv_general_dilated``, ``einsum_op``,
 ``attention_fn``). Under a policy, a layer computing in 16 bits that still has
-Flax's default gets jmp_lite's (:mod:`jmp_lite.flax.accumulate`,
-:mod:`jmp_lite.flax.attention`) instead: :data:`FLAX_HOOKS` lists where, and
+Flax's default gets jmp_lite's (:func:`~jmp_lite.flax.dot_general`...,
+:func:`~jmp_lite.flax.dot_product_attention`) instead: :data:`FLAX_HOOKS` lists where, and
 :func:`kernel_updates` gives the attributes to set on one layer.
 """
 

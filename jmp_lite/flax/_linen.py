@@ -13,7 +13,7 @@ Inside, every module method call (``__call__``, ``setup``-defined methods,
 Flax's own interception mechanism, for the duration of that ``apply`` only.
 Per call it casts inputs to the module's compute dtype, casts outputs to its
 output dtype, and swaps Flax's default matmul/attention kernels for jmp_lite's
-while the module runs (see :mod:`jmp_lite.flax.module_policy`). Parameters are
+while the module runs (see :class:`~jmp_lite.flax.ModulePolicies`). Parameters are
 cast to the compute dtype of the module that owns them before the model runs;
 which module owns which parameter, and which layers compute the model's
 output, is found by tracing the model once abstractly (``jax.eval_shape``, no

@@ -27,9 +27,9 @@ Every module *call* under a policy then does:
 On top of dtypes, Flax's built-in layers get 16-bit-friendly kernels in place
 of Flax's defaults, only where the layer still uses the default:
 jmp_lite's ``dot_general``/``conv_general_dilated``/``einsum_op``
-(:mod:`jmp_lite.flax.accumulate`: the fp32 output layer, the TPU declaration,
+(:func:`~jmp_lite.flax.dot_general`: the fp32 output layer, the TPU declaration,
 ``grad_reduction_dtype``) and the fp32-softmax ``attention_fn``
-(:mod:`jmp_lite.flax.attention`); see :data:`~jmp_lite.flax.FLAX_HOOKS`.
+(:func:`~jmp_lite.flax.dot_product_attention`); see :data:`~jmp_lite.flax.FLAX_HOOKS`.
 
 A module built with an explicit ``dtype=`` other than the compute dtype the
 policy gives it (Flax's examples thread ``dtype=jnp.float32`` through every

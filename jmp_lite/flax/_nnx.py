@@ -24,7 +24,7 @@ Variables, :func:`flax.nnx.recursive_map`) in which
 * every submodule is wrapped so that its calls (``__call__`` and any public
   method reached through the parent, e.g. ``self.embed.attend``) cast floating
   inputs to its compute dtype and outputs to its output dtype, with the same
-  per-class overrides as linen (:mod:`jmp_lite.flax.module_policy`);
+  per-class overrides as linen (:class:`~jmp_lite.flax.ModulePolicies`);
 * 16-bit Flax layers get jmp_lite's matmul kernels and attention the fp32
   softmax, set as attributes on the copies.
 

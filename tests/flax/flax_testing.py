@@ -217,7 +217,7 @@ def check_lean_products(jaxpr, narrow: np.dtype = BF16, *, wide: int = 0, declar
 
   Both operands are ``narrow`` and so is the result, as in a Flax layer built
   with ``dtype=narrow`` (the backends accumulate such products in fp32; see
-  :mod:`jmp_lite.flax.accumulate`), except exactly ``wide`` fp32 results (the
+  :func:`jmp_lite.flax.dot_general`), except exactly ``wide`` fp32 results (the
   layer computing a model's fp32 output). Dots state ``declared`` as their
   precision (the fp32-accumulation preset where the platform takes it; None
   on CPU) unless they are not matrix products. Returns how many products there
