@@ -23,6 +23,8 @@ head), the identity except under layer-wise loss scaling.
 
 Run: python -m examples.charlm                      (bf16 on CPU, ~2 minutes on 2 cores)
      python -m examples.charlm --recipe fp16-dynamic --replicas 4096
+     python -m examples.charlm --recipe fp8          (fp8 matmuls, current scaling)
+     python -m examples.charlm --recipe fp8 --fp8-scaling delayed
      python -m examples.charlm --preset accelerator  (bigger model, longer; GPU/TPU)
      python -m examples.charlm --help
 """

@@ -17,8 +17,10 @@ precision policy, the loss scale and (for ``fp8``) the matmuls differ:
   with a :class:`jmp_lite.NoOpLossScale` where no scaling is wanted, so every
   recipe skips a step whose gradients are not finite and the counters are
   comparable;
-* ``fp8`` runs the Dense/attention projections through
-  :func:`jmp_lite.flax.fp8.linen_fp8` on top of the bf16 policy.
+* ``fp8`` runs every Dense/attention projection through
+  :func:`jmp_lite.flax.fp8.linen_fp8` on top of the bf16 policy, with the
+  library's default fp8 recipe (:class:`jmp_lite.fp8.CurrentScaling`) unless
+  ``--fp8-scaling delayed`` asks for calibrated delayed scaling.
 
 The opt-in group ``low-precision-params`` (:data:`LOW_PRECISION_RECIPES`)
 stores the parameters themselves in bf16, with no fp32 master copy: the same
@@ -65,7 +67,7 @@ class Recipe:
     policy: a :func:`jmp_lite.get_policy` string.
     loss_scale: ``"none"``, ``"static"``, ``"dynamic"`` or ``"layerwise"``.
     fp8: whether Dense layers compute their matmuls in fp8 (E4M3 forward,
-      E5M2 backward, delayed per-tensor scaling).
+      E5M2 backward, scaled by :attr:`TrainConfig.fp8_scaling`'s recipe).
     summary: one line for ``--help`` and the docs.
     params_method: for 16-bit parameters (the policy's param dtype), the
       :func:`jmp_lite.low_precision_params` method that stores their updates;
@@ -124,7 +126,8 @@ RECIPES: dict[str, Recipe] = {
       "fp8",
       "params=float32,compute=bfloat16,output=float32",
       fp8=True,
-      summary="fp8 matmuls (E4M3 fwd / E5M2 bwd, delayed scaling), bf16 elsewhere",
+      summary="fp8 matmuls in every Dense (E4M3 fwd / E5M2 bwd, per-tensor current scaling "
+      "unless --fp8-scaling delayed), bf16 elsewhere",
     ),
   )
 }
@@ -309,8 +312,12 @@ class TrainConfig:
   dynamic_scale: float = 2.0**15
   dynamic_period: int = 100
   layerwise_period: int = 10
+  # How the fp8 recipe scales its tensors when fp8_recipe is None: "current" is the library's
+  # default recipe (fp8.as_recipe(None)); "delayed" is DelayedScaling with fp8_history steps
+  # of amax history, calibrated on the first batch.
+  fp8_scaling: str = "current"
   fp8_history: int = 16
-  # The fp8 recipe's jmp_lite.fp8 recipe; None is DelayedScaling with fp8_history.
+  # An explicit jmp_lite.fp8 recipe for the fp8 recipe (wins over fp8_scaling).
   fp8_recipe: Any = None
   progress: bool = True
   # XLA's backend optimizations off: compiles ~2x faster, runs ~3x slower. Only for the
@@ -322,6 +329,33 @@ class TrainConfig:
       raise ValueError(f"replicas must be a power of two >= 1, got {self.replicas}.")
     if self.steps < 1:
       raise ValueError(f"steps must be >= 1, got {self.steps}.")
+    if self.fp8_scaling not in FP8_SCALINGS:
+      raise ValueError(
+        f"fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}."
+      )
+
+
+FP8_SCALINGS = ("current", "delayed")
+"""The values of :attr:`TrainConfig.fp8_scaling` (``--fp8-scaling``)."""
+
+
+def fp8_recipe(config: TrainConfig) -> Any:
+  """The :mod:`jmp_lite.fp8` recipe the ``fp8`` recipe trains with under ``config``.
+
+  Args:
+    config: the run's configuration.
+
+  Returns:
+    ``config.fp8_recipe`` if set; else the library's default recipe
+    (:class:`jmp_lite.fp8.CurrentScaling`) for ``fp8_scaling="current"``, or
+    :class:`jmp_lite.fp8.DelayedScaling` with ``fp8_history`` steps of history
+    for ``"delayed"``.
+  """
+  if config.fp8_recipe is not None:
+    return config.fp8_recipe
+  if config.fp8_scaling == "delayed":
+    return fp8.DelayedScaling(amax_history_length=config.fp8_history)
+  return fp8.as_recipe(None)
 
 
 _TRAIN_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -360,6 +394,14 @@ def add_train_arguments(
       default=None,
       help=f"{text} ({shown.get(name, format(getattr(defaults, name), 'g'))})",
     )
+  g.add_argument(
+    "--fp8-scaling",
+    choices=FP8_SCALINGS,
+    default=None,
+    help="the fp8 recipe's scaling: current (the library's default, per-tensor, just in time) "
+    f"or delayed (a {defaults.fp8_history}-step amax history, calibrated on the first batch) "
+    f"({defaults.fp8_scaling})",
+  )
   g.add_argument("--no-progress", action="store_true", help="no progress bars")
   g.add_argument(
     "--fast-compile",
@@ -382,6 +424,8 @@ def train_config_from_args(args: argparse.Namespace, defaults: TrainConfig) -> T
   given = {k: v for k, v in given.items() if v is not None}
   if getattr(args, "fast_compile", False):
     given["fast_compile"] = True
+  if getattr(args, "fp8_scaling", None) is not None:
+    given["fp8_scaling"] = args.fp8_scaling
   return dataclasses.replace(defaults, progress=not args.no_progress, **given)
 
 
@@ -690,11 +734,7 @@ def train(
   the step time.
   """
   policy = jl.get_policy(recipe.policy)
-  fp8_config = None
-  if recipe.fp8:
-    fp8_config = config.fp8_recipe
-    if fp8_config is None:
-      fp8_config = fp8.Fp8Config(amax_history_length=config.fp8_history)
+  fp8_config = fp8_recipe(config) if recipe.fp8 else None
   # Delayed scaling keeps a state (calibrated, read and updated); the other recipes none.
   fp8_stateful = fp8_config is not None and fp8.as_recipe(fp8_config).init_state() is not None
   apply_fn = jlf.policy_apply(task.model, policy)
@@ -704,8 +744,9 @@ def train(
     # docs/fp8.md asks, so the fp8 matmul replaces Flax's default dot_general.
     if fp8_config is None:
       return contextlib.nullcontext()
-    # Every Dense in fp8, the head included, as the recorded curves were run (the default
-    # placement keeps the first and last layers, and on CPU-sized layers every matmul, in bf16).
+    # Every Dense in fp8, the head included: the default placement keeps the first and last
+    # layers in bf16 and skips matmuls too small to pay, which at these CPU sizes is all of
+    # them, so the fp8 recipe would train as bf16 and measure nothing.
     return flax_fp8.linen_fp8(fp8_config, loss_scale=loss_scale, placement=fp8.ALL_LAYERS)
 
   def init(key):

@@ -10,6 +10,7 @@ A second comparison runs the opt-in low-precision-params group (bf16
 parameters, issue 16) and checks its outputs and the split's exactness.
 """
 
+import dataclasses
 import json
 import math
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import jmp_lite as jl
+from jmp_lite import fp8
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
@@ -92,9 +94,51 @@ def test_charlm_quick_with_fp8():
   result = out["result"]
   assert _decreased(result["train_loss"])
   assert result["final"]["val_loss"] < math.log(charlm.VOCAB)  # better than uniform
-  # Delayed scaling adapted the scales (they start at 1).
-  scales = result["fp8_scales"]
-  assert scales and any(s != 1.0 for per_layer in scales.values() for s in per_layer)
+  # Current scaling (the default) keeps no fp8 state, so there are no scales to report.
+  assert result["fp8_scales"] is None
+
+
+def test_charlm_quick_with_delayed_fp8_adapts_its_scales():
+  out = charlm.main([*QUICK, "--recipe", "fp8", "--fp8-scaling", "delayed"])
+  result = out["result"]
+  assert _decreased(result["train_loss"])
+  # Calibrated on the first batch, then updated from the amax history: no scale is 0 (none)
+  # or 1 (an untouched default) at the end.
+  scales = [s for per_layer in result["fp8_scales"].values() for s in per_layer]
+  assert len(scales) == 3 * len(result["fp8_scales"]) > 0
+  assert all(math.isfinite(s) and s not in (0.0, 1.0) for s in scales)
+
+
+def test_examples_fp8_recipe_is_the_library_default():
+  _, preset = charlm.PRESETS["cpu"]
+  assert common.fp8_recipe(preset) == fp8.as_recipe(None) == fp8.CurrentScaling()
+  parser = charlm.build_parser()
+  delayed = common.train_config_from_args(parser.parse_args(["--fp8-scaling", "delayed"]), preset)
+  assert common.fp8_recipe(delayed) == fp8.DelayedScaling(amax_history_length=16)
+  # An explicit recipe (benchmarks/fp8_training.py's) wins over the scaling's name.
+  rowwise = dataclasses.replace(delayed, fp8_recipe=fp8.RowwiseScaling())
+  assert common.fp8_recipe(rowwise) == fp8.RowwiseScaling()
+  with pytest.raises(ValueError, match="fp8_scaling must be one of current, delayed, got 'x'"):
+    common.TrainConfig(fp8_scaling="x")
+
+
+def test_examples_fp8_first_step_flushes_no_gradient():
+  # The loss times 2^-20 (replicas = 2^20): under E5M2 with a unit scale every output gradient
+  # would flush. With the default recipe, step 0's parameter gradients have no zeros that
+  # bf16's lack, layer by layer.
+  model_config, quick = charlm.PRESETS["quick"]
+  config = dataclasses.replace(quick, steps=1, replicas=2**20, progress=False)
+  task = charlm.CharLMTask(model_config, seed=config.seed)
+  step0 = {
+    name: common.train(task, common.RECIPES[name], config).grad_stats["0"]
+    for name in ("bf16", "fp8")
+  }
+  assert set(step0["fp8"]) == set(step0["bf16"])
+  zeros = {name: {k: v["zero_fraction"] for k, v in s.items()} for name, s in step0.items()}
+  # The embedding's zeros are the rows of characters absent from the batch (about 60%), which
+  # rounding can only make fewer; every other layer's gradient has exactly bf16's zeros.
+  assert zeros["fp8"].pop("embed") <= zeros["bf16"].pop("embed") < 0.7
+  assert zeros["fp8"] == zeros["bf16"]
 
 
 def test_validation_panel_keeps_a_quick_runs_points():
