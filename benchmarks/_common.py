@@ -15,9 +15,7 @@ Nothing here is a benchmark; ``python -m benchmarks.<name>`` runs one.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
 import itertools
 import json
 import math
@@ -26,7 +24,7 @@ import pathlib
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -209,25 +207,6 @@ def hlo_summary(compiled: Any) -> dict[str, Any] | None:
     "flops": cost.get("flops"),
     "bytes_accessed": cost.get("bytes accessed"),
   }
-
-
-@contextlib.contextmanager
-def no_declared_accumulation() -> Iterator[None]:
-  """Traces jmp_lite's Flax matmuls as on a backend where it declares no fp32 accumulation.
-
-  A private hook (with fp8_check's use of ``jmp_lite.fp8._matmul.DOT_KERNEL``), deliberately:
-  jmp_lite decides whether to attach ``precision=DotAlgorithmPreset...`` from the platform it
-  traces for, and offers no switch, since a user should not need one. benchmarks/gpu.py's
-  ``policy_bf16_undeclared`` recipe measures what the declaration costs, so it swaps that
-  platform lookup while the model is traced.
-  """
-  accumulate = importlib.import_module("jmp_lite.flax._accumulate")
-  platform = accumulate._platform
-  accumulate._platform = lambda: "cpu"
-  try:
-    yield
-  finally:
-    accumulate._platform = platform
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,19 +1,18 @@
 """benchmarks/gpu.py's recipes: one train step per way of running the transformer LM.
 
 A :class:`Recipe` builds a :class:`Step` (the state's ``init`` and the jitted ``step``) for a
-model configuration of ``benchmarks/memory.py``'s ``TransformerLM``; :data:`RECIPES` is issue
+model configuration of ``benchmarks/_models.py``'s ``TransformerLM``; :data:`RECIPES` is issue
 14's table, in its order: fp32 (``highest`` and default precision), Flax layers with
 ``dtype=bfloat16``, ``jmp_lite.flax.policy_apply`` in bf16 and fp16 (with and without loss
 scaling), Flax's ``DynamicScale``, diagnostics (no accumulation preset, a ``lax.cond`` skip),
 fp8 (``linen_fp8`` over the bf16 policy: delayed scaling, and each stateless recipe of
-:data:`FP8_RECIPES`), and the same LM in NNX (``benchmarks/_nnx_lm.py``) with
+:data:`FP8_RECIPES`), and the same LM in NNX (``benchmarks/_models.py``) with
 ``dtype=bfloat16`` and under ``jmp_lite.flax.policy_view``. Every recipe trains with AdamW on the
 next-token loss.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,9 +26,7 @@ from jax import lax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
-from benchmarks._common import no_declared_accumulation
-from benchmarks._nnx_lm import split_lm
-from benchmarks.memory import TransformerLM, lm_loss
+from benchmarks._models import TransformerLM, lm_loss, split_lm
 from jmp_lite.flax import fp8 as flax_fp8
 
 LEARNING_RATE = 1e-4
@@ -207,25 +204,6 @@ def cond_skip_step(make_apply: Callable) -> Callable[[dict], Step]:
   return build
 
 
-def undeclared(make_apply: Callable) -> Callable[[dict], Callable]:
-  """``make_apply``'s model traced as on a backend where jmp_lite declares no accumulation.
-
-  A diagnostic (the cost of ``precision=DotAlgorithmPreset...``); see
-  :func:`benchmarks._common.no_declared_accumulation`.
-  """
-
-  def make(config):
-    apply = make_apply(config)
-
-    def traced(*args):
-      with no_declared_accumulation():
-        return apply(*args)
-
-    return traced
-
-  return make
-
-
 def flax_dynamic_scale_step(make_apply: Callable) -> Callable[[dict], Step]:
   """Flax's own recipe: ``DynamicScale.value_and_grad``, the update kept only when finite."""
 
@@ -249,30 +227,13 @@ def flax_dynamic_scale_step(make_apply: Callable) -> Callable[[dict], Step]:
   return build
 
 
-def fp8_step(spec: str, legacy: bool = False, **config_kwargs: Any) -> Callable[[dict], Step]:
+def fp8_step(spec: str, **config_kwargs: Any) -> Callable[[dict], Step]:
   """``linen_fp8`` over ``policy_apply(model, spec)``, calibrated on the batch before step 0
   (docs/fp8.md), the fp8 state updated every step.
 
-  ``config_kwargs`` go to :class:`~jmp_lite.fp8.DelayedScaling`; ``legacy`` traces the fp8 matmuls
-  in the formulation that showed the loss anomaly (``benchmarks/fp8_check.py``).
+  ``config_kwargs`` go to :class:`~jmp_lite.fp8.DelayedScaling`.
   """
-
-  def build(config):
-    built = _fp8_build(config, spec, config_kwargs)
-    if not legacy:
-      return built
-    legacy_dots = importlib.import_module("benchmarks.fp8_check").legacy_fp8_dots
-
-    def traced_legacy(fn):
-      def call(*args):
-        with legacy_dots():
-          return fn(*args)
-
-      return call
-
-    return Step(traced_legacy(built.init), traced_legacy(built.step))
-
-  return build
+  return lambda config: _fp8_build(config, spec, config_kwargs)
 
 
 def _fp8_build(config: dict, spec: str, config_kwargs: dict) -> Step:
@@ -365,9 +326,6 @@ RECIPES: dict[str, Recipe] = {
     "Flax `dtype=float16` + Flax `DynamicScale`",
     flax_dynamic_scale_step(with_flax_dtype(jnp.float16)),
   ),
-  "policy_bf16_undeclared": Recipe(
-    "policy bf16 without the accumulation preset", adamw_step(undeclared(with_policy(BF16_POLICY)))
-  ),
   "policy_fp16_cond_skip": Recipe(
     "policy fp16 + loss scaling, `lax.cond` skip (candidate)",
     cond_skip_step(with_policy(FP16_POLICY)),
@@ -381,9 +339,6 @@ RECIPES: dict[str, Recipe] = {
   ),
   "fp8_fast": Recipe(
     "fp8, fast accumulation forward", fp8_step(BF16_POLICY, fast_accumulation="forward")
-  ),
-  "fp8_legacy": Recipe(
-    "fp8 as measured in issue 14 (legacy formulation)", fp8_step(BF16_POLICY, legacy=True)
   ),
   "policy_bf16_layernorm_stored": Recipe(
     "policy bf16, LayerNorm islands stored (`jlf.FP32`)",
@@ -424,9 +379,7 @@ PRIORITY = (
   "fp8",
   "policy_fp16",
   "policy_fp16_scaled",
-  "policy_bf16_undeclared",
   "policy_fp16_cond_skip",
-  "fp8_legacy",
   "fp8_fast",
   "fp8_delayed_calibrated",
   *FP8_RECIPES,
@@ -445,7 +398,7 @@ SIZE_RECIPES = ("policy_bf16", "fp8", "fp8_fast")
 SAVED_HLO = ("flax_bf16", "policy_bf16", "fp8")  # with --save-hlo: their optimized HLO, gzipped
 REFERENCES = ("fp32_highest", "flax_bf16", "policy_bf16")  # each row's x_<name> ratios
 # Loss curves shown side by side.
-CURVES = ("fp32_default", "flax_bf16", "policy_bf16", "fp8", "fp8_legacy")
+CURVES = ("fp32_default", "flax_bf16", "policy_bf16", "fp8")
 
 
 def init_params(config: dict[str, int], tokens: jax.Array) -> Any:

@@ -172,26 +172,10 @@ def _md_sizes(section: dict[str, Any]) -> list[str]:
   return lines + _table(header, [_size_cells(row) for row in section["rows"]])
 
 
-def _md_fp8_check(section: dict[str, Any]) -> list[str]:
-  lines = ["## fp8 check (`benchmarks/fp8_check.diagnose`)", "", f"Status: {section['status']}."]
-  if "error" in section:
-    lines += ["", f"Error: {section['error']}"]
-  result = section.get("result")
-  if isinstance(result, dict):
-    if isinstance(result.get("summary"), str):
-      lines += ["", result["summary"]]
-    scalars = {
-      k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k != "summary"
-    }
-    lines += ["", *(f"- {k}: {v}" for k, v in scalars.items()), "", "Full result: gpu.json."]
-  return lines
-
-
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
   "probe": _md_probe,
   "recipes": _md_recipes,
   "sizes": _md_sizes,
-  "fp8_check": _md_fp8_check,
 }
 
 

@@ -64,7 +64,7 @@ from jax.experimental import topologies
 import jmp_lite as jl
 from benchmarks import _hlo
 from benchmarks._gpu_recipes import RECIPES
-from benchmarks.memory import TransformerLM
+from benchmarks._models import TransformerLM
 
 # The hardware numbers of an H200 SXM (141 GB HBM3e) as XLA's GpuTargetConfigProto text.
 H200_TARGET_CONFIG = """

@@ -10,15 +10,13 @@ Sections, run in this order (``--only`` picks some):
   compiles, whether the StableHLO declares the algorithm, what the optimized HLO calls, and which
   accumulator the result shows (``accumulation_error``).
 * ``recipes`` (the train steps: ``benchmarks/_gpu_recipes.py``): the pre-LN decoder LM of
-  ``benchmarks/memory.py`` (d=1024, 8 layers, 16 heads, seq 1024, batch 8, vocab 256; Flax
+  ``benchmarks/_models.py`` (d=1024, 8 layers, 16 heads, seq 1024, batch 8, vocab 256; Flax
   ``MultiHeadDotProductAttention`` with a causal mask, GELU MLP 4x, learned positions) on one
   fixed batch of random tokens, AdamW(1e-4), under each of ``RECIPES``: ms/step (median of
   interleaved rounds after 2 warm-up steps), ratios to fp32 ``highest`` and to Flax bf16 (medians
   of per-round ratios), XLA's compiled temp memory, the gemm calls in the optimized HLO, the loss
   of every step; and what loss scaling costs (fp16 with ``jl.loss_scaling`` over the same fp16
   step without it, interleaved).
-* ``fp8_check``: ``benchmarks/fp8_check.py``'s ``diagnose()`` with its defaults, if that module
-  exists, in a thread with a time limit (the fp8 loss anomaly: layer-by-layer evidence).
 * ``sizes``: fp8 (``linen_fp8`` over the bf16 policy) against the bf16 policy at d in
   {1024, 2048, 4096}, tokens per step fixed, fewer layers at larger d to fit the time budget
   (d=1024 reuses the ``recipes`` rows when that section ran).
@@ -44,15 +42,12 @@ import argparse
 import contextlib
 import dataclasses
 import gzip
-import importlib
-import importlib.util
 import json
 import os
 import pathlib
 import platform
 import statistics
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -89,9 +84,9 @@ from benchmarks._gpu_recipes import (
 )
 from benchmarks._gpu_report import fmt, loss_curves, markdown
 
-SECTIONS = ("probe", "recipes", "fp8_check", "sizes")
+SECTIONS = ("probe", "recipes", "sizes")
 # Cumulative share of --budget-s by the end of each section, when a later section is selected.
-_DEADLINE_SHARE = {"probe": 0.08, "recipes": 0.55, "fp8_check": 0.75, "sizes": 1.0}
+_DEADLINE_SHARE = {"probe": 0.08, "recipes": 0.55, "sizes": 1.0}
 
 
 class Settings(NamedTuple):
@@ -107,7 +102,6 @@ class Settings(NamedTuple):
   probe_m: int  # rows/columns of the probe's matrices
   probe_k: int
   probe_long_k: int  # the long contraction (split-K)
-  fp8_check_kwargs: dict[str, int]  # {} = diagnose()'s defaults
   fast_compile: bool  # train steps compiled with fast_compile_options() (not for timing)
 
 
@@ -122,7 +116,6 @@ FULL = Settings(
   probe_m=64,
   probe_k=4096,
   probe_long_k=32768,
-  fp8_check_kwargs={},
   fast_compile=False,
 )
 SMOKE = Settings(
@@ -136,15 +129,6 @@ SMOKE = Settings(
   probe_m=8,
   probe_k=512,
   probe_long_k=2048,
-  fp8_check_kwargs={
-    "d_model": 32,
-    "layers": 1,
-    "heads": 2,
-    "seq": 16,
-    "batch": 2,
-    "vocab": 32,
-    "steps": 2,
-  },
   fast_compile=True,
 )
 
@@ -428,53 +412,10 @@ def run_sizes(bench: Bench, section: dict) -> None:
     bench.report.save()
 
 
-# ---------------------------------------------------------------------------------------------
-# fp8 check hook (benchmarks/fp8_check.py, written separately)
-
-
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> dict[str, Any]:
-  """Runs ``fn()`` in a daemon thread; ``{"result": ...}``, ``{"error": ...}``, or a timeout
-  (``abandoned``: the thread still runs, so the process should exit without joining it)."""
-  box: dict[str, Any] = {}
-
-  def target():
-    try:
-      box["result"] = fn()
-    except Exception as e:
-      box["error"] = error_text(e)
-
-  thread = threading.Thread(target=target, name="fp8_check", daemon=True)
-  start = time.perf_counter()
-  thread.start()
-  thread.join(timeout_s)
-  if thread.is_alive():
-    return {"error": f"timed out after {timeout_s:.0f} s", "abandoned": True}
-  return {**box, "seconds": time.perf_counter() - start}
-
-
-def run_fp8_check(bench: Bench, section: dict) -> None:
-  if importlib.util.find_spec("benchmarks.fp8_check") is None:
-    section["status"] = "absent (no benchmarks/fp8_check.py)"
-    return
-  timeout = bench.budget.deadline - bench.budget.elapsed()
-  if timeout < 20:
-    bench.report.skip("fp8_check")
-    section["status"] = "skipped (time budget)"
-    return
-  # diagnose() skips its later recipes past its own budget; the thread's timeout is the backstop.
-  kwargs = {"budget_s": 0.7 * timeout, **bench.settings.fp8_check_kwargs}
-  bench.report.log(f"fp8_check: diagnose(**{kwargs}), at most {timeout:.0f} s")
-  diagnose = lambda: importlib.import_module("benchmarks.fp8_check").diagnose(**kwargs)
-  section.update(call_with_timeout(diagnose, timeout))
-  section["status"] = "error" if "error" in section else "ok"
-  bench.report.log(f"fp8_check: {section['status']} {section.get('error', '')}")
-
-
 RUNNERS: dict[str, Callable[[Bench, dict], None]] = {
   "probe": run_probe,
   "recipes": run_recipes,
   "sizes": run_sizes,
-  "fp8_check": run_fp8_check,
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -549,7 +490,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  outcome = main()
-  if outcome["sections"].get("fp8_check", {}).get("abandoned"):
-    sys.stdout.flush()
-    os._exit(0)  # the timed-out check's thread is still inside XLA: do not wait for it
+  main()

@@ -52,48 +52,11 @@ from jax.extend import core as jex_core
 
 import jmp_lite.flax as jlf
 from benchmarks._common import finish, nbytes
+from benchmarks._models import TransformerLM, lm_loss
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 VARIANTS = ("fp32", "jmp_lite", "jmp_lite_stored", "flax_bf16")
 COMPARED = VARIANTS[1:]
-
-
-class Block(nn.Module):
-  width: int
-  heads: int
-  dtype: Any = None
-
-  @nn.compact
-  def __call__(self, x, mask):
-    h = nn.LayerNorm(dtype=self.dtype)(x)
-    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(h, h, mask=mask)
-    h = nn.Dense(4 * self.width, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
-    return x + nn.Dense(self.width, dtype=self.dtype)(nn.gelu(h))
-
-
-class TransformerLM(nn.Module):
-  vocab: int
-  width: int
-  heads: int
-  layers: int
-  length: int
-  dtype: Any = None  # None: Flax's defaults (what jmp_lite's policy runs)
-
-  @nn.compact
-  def __call__(self, tokens):
-    x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
-    pos = self.param("pos", nn.initializers.normal(0.02), (self.length, self.width))
-    x = x + pos.astype(x.dtype)
-    mask = nn.make_causal_mask(tokens)
-    for _ in range(self.layers):
-      x = Block(self.width, self.heads, self.dtype)(x, mask)
-    return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
-
-
-def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Next-token cross-entropy; the loss is an fp32 island in every variant."""
-  logits = logits.astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
 
 def loss_fns(config: dict[str, int]) -> dict[str, Callable[[Any, jax.Array], jax.Array]]:

@@ -4,8 +4,8 @@ A CPU computes 16-bit work in fp32, so its step time and compiled memory say
 little about a GPU. What does carry over is what the program asks for: how many
 bytes its matmuls write, how many bytes every operation writes, what it keeps
 for the backward pass and what it sends between devices. This script counts
-those for a train step of the transformer LM of ``benchmarks/memory.py``, run
-four ways (variants of that script):
+those for a train step of the transformer LM of ``benchmarks/_models.py``, run
+four ways (``benchmarks/memory.py``'s variants):
 
 * ``fp32``: ``model.apply`` as written.
 * ``jmp_lite``: :func:`jmp_lite.flax.policy_apply` with
@@ -74,7 +74,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import memory
+from benchmarks import _models, memory
 from benchmarks._common import finish, nbytes
 
 VARIANTS = ("fp32", "jmp_lite", "jmp_lite_f32_reduction", "flax_bf16")
@@ -183,7 +183,7 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def _abstract_setup(config: dict[str, int], batch: int) -> tuple[Any, jax.ShapeDtypeStruct]:
   """Abstract fp32 params of the model and a batch of tokens (no FLOPs)."""
-  model = memory.TransformerLM(**config)
+  model = _models.TransformerLM(**config)
   length = config["length"]
   params = jax.eval_shape(
     lambda: model.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]

@@ -48,7 +48,6 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_deviceless_benchmark.py",
     "test_examples.py",
     "test_fp8_benchmarks.py",
-    "test_fp8_check.py",
     "test_gpu_benchmark.py",
     "test_layerwise_experiment.py",
     "test_low_precision_params_benchmark.py",

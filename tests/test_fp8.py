@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jmp_lite as jl
 from jmp_lite import fp8
-from jmp_lite.fp8._matmul import DOT_KERNEL, DotOptions
+from jmp_lite.fp8._matmul import DotOptions
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 FMT = {d: jl.FORMATS[d.name] for d in (E4M3, E5M2)}
@@ -521,23 +521,6 @@ def test_einsum_takes_exactly_the_keyword_options_of_dot_general():
     fp8.einsum("ij,jk->ik", x, x.T, state, precison=None)
   y = fp8.einsum("ij,jk->ik", x, x.T, state, preferred_element_type=jnp.bfloat16)
   assert y.dtype == jnp.bfloat16 and y.tolist() == [[3.0, 3.0], [3.0, 3.0]]
-
-
-def test_a_substituted_dot_kernel_is_traced_inside_its_scope_only():
-  """The scope benchmarks/fp8_check.py uses to trace an earlier formulation of the matmul."""
-  state = unit_state()
-  x, k = jnp.full((2, 3), 2.0), jnp.full((3, 4), 0.5)
-  seen = []
-
-  def kernel(lhs, rhs, scales, probe, loss_scale, spec):
-    seen.append(spec)
-    return jnp.zeros(jax.eval_shape(lambda: lax.dot_general(lhs, rhs, spec.dims)).shape)
-
-  with DOT_KERNEL.scope(kernel):
-    substituted = fp8.einsum("ij,jk->ik", x, k, state)
-  np.testing.assert_array_equal(substituted, np.zeros((2, 4)))
-  assert [spec.dims for spec in seen] == [MATMUL]
-  np.testing.assert_array_equal(fp8.dot_general(x, k, MATMUL, state), np.full((2, 4), 3.0))
 
 
 def test_current_scaling_scopes_nest_and_stay_in_their_thread():

@@ -4,7 +4,7 @@ Sizes: no module over 700 lines, no class over 250, no function over 100. Privac
 modules are the namespaces, and no module imports another module's ``_name``. Layers: imports
 flow one way (dtypes -> policy -> loss scales -> transform -> layer-wise/fp8/checks -> flax),
 and only ``jmp_lite/flax`` imports Flax. Weight: ``import jmp_lite`` imports nothing that
-``import jax, optax`` does not.
+``import jax, optax`` does not. Scripts: benchmarks and examples never assign into jmp_lite.
 """
 
 import ast
@@ -115,3 +115,51 @@ def test_import_jmp_lite_adds_no_package_to_jax_and_optax():
   assert {name.split(".")[0] for name in added} == {"jmp_lite"}
   # Nor the parts of JAX that `import jax` leaves out: jax.extend alone imports Pallas.
   assert [name for name in added if name.startswith(("jax.", "optax."))] == []
+
+
+SCRIPTS = sorted(
+  path for folder in ("benchmarks", "examples") for path in (PACKAGE.parent / folder).glob("*.py")
+)
+
+
+def _jmp_lite_bindings(tree: ast.Module) -> set[str]:
+  """The names a script binds to jmp_lite or something imported from it."""
+  bound = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] == "jmp_lite":
+          bound.add(alias.asname or "jmp_lite")
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jmp_lite":
+      bound.update(alias.asname or alias.name for alias in node.names)
+  return bound
+
+
+def _root(node: ast.expr) -> str | None:
+  while isinstance(node, ast.Attribute):
+    node = node.value
+  return node.id if isinstance(node, ast.Name) else None
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_scripts_pass_what_they_need_instead_of_patching_jmp_lite(path):
+  # A benchmark that swaps a library function or sets a library hook measures a variant the
+  # library does not offer, and the hook stays in the library for that one script.
+  tree = ast.parse(path.read_text())
+  bound = _jmp_lite_bindings(tree)
+  for node in ast.walk(tree):
+    targets = []
+    if isinstance(node, ast.Assign):
+      targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+      targets = [node.target]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+      if node.func.id in ("setattr", "delattr"):
+        targets = [ast.Attribute(node.args[0], "?")]
+    for target in targets:
+      if isinstance(target, ast.Attribute) and _root(target) in bound:
+        raise AssertionError(f"line {node.lineno}: assigns into jmp_lite ({ast.unparse(target)})")
+    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module"):
+      name = node.args[0] if node.args else None
+      if isinstance(name, ast.Constant) and str(name.value).startswith("jmp_lite"):
+        raise AssertionError(f"line {node.lineno}: imports {name.value} by name")

@@ -19,7 +19,6 @@ exact in fp32, so the sum is exact up to fp32 rounding whatever the form.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypedDict
 
 import jax
@@ -29,7 +28,6 @@ from jax import lax
 
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _validation
-from jmp_lite._context import Ambient
 from jmp_lite._fp8_config import F32
 from jmp_lite._loss_scale import uniform_scale_value
 from jmp_lite.fp8 import _current_scaling, _sharding
@@ -236,11 +234,6 @@ def _fp8_dot_bwd(spec, residuals, g):
 
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
-# The function dot_general traces: fp8_dot, unless a diagnostic substitutes another
-# formulation of it (with fp8_dot's signature) for the ops traced in a scope
-# (benchmarks/fp8_check.py compares an earlier one). Nothing in jmp_lite sets it.
-DOT_KERNEL: Ambient[Callable[..., jax.Array]] = Ambient("jmp_lite.fp8.dot_kernel")
-
 
 def loss_scale_value(loss_scale: Any) -> jax.Array:
   """A float32 scalar from None (1), a uniform jmp_lite loss scale, or a number/array."""
@@ -368,5 +361,4 @@ def per_tensor_dot(
     power_of_2,
     trust_state,
   )
-  kernel = DOT_KERNEL.current() or fp8_dot
-  return kernel(lhs, rhs, scales, Fp8DotAmax(*probe), loss_scale, spec)
+  return fp8_dot(lhs, rhs, scales, Fp8DotAmax(*probe), loss_scale, spec)

@@ -1,12 +1,57 @@
-"""``benchmarks/memory.py``'s transformer LM written in Flax NNX, for the NNX recipes of
-``benchmarks/gpu.py`` (the same layers, shapes and initializers' kinds; its own parameters)."""
+"""The models the benchmarks share: a pre-LN decoder LM in Flax linen and the same LM in NNX.
+
+``TransformerLM``: token embedding and learned positions, Flax ``MultiHeadDotProductAttention``
+with a causal mask, a GELU MLP 4x, a final LayerNorm and a head. ``NnxTransformerLM``: the same
+layers, shapes and initializers' kinds in NNX, with its own parameters.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import optax
 from flax import nnx
+
+
+class Block(nn.Module):
+  width: int
+  heads: int
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.LayerNorm(dtype=self.dtype)(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(h, h, mask=mask)
+    h = nn.Dense(4 * self.width, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+    return x + nn.Dense(self.width, dtype=self.dtype)(nn.gelu(h))
+
+
+class TransformerLM(nn.Module):
+  vocab: int
+  width: int
+  heads: int
+  layers: int
+  length: int
+  dtype: Any = None  # None: Flax's defaults (what jmp_lite's policy runs)
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
+    pos = self.param("pos", nn.initializers.normal(0.02), (self.length, self.width))
+    x = x + pos.astype(x.dtype)
+    mask = nn.make_causal_mask(tokens)
+    for _ in range(self.layers):
+      x = Block(self.width, self.heads, self.dtype)(x, mask)
+    return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+
+
+def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Next-token cross-entropy; the loss is an fp32 island in every variant."""
+  logits = logits.astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
 
 class NnxBlock(nnx.Module):
