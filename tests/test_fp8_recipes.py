@@ -1,5 +1,7 @@
 """fp8 recipes: current scaling (the default), delayed scaling's first step, the protocol."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -264,6 +266,36 @@ def test_a_state_without_a_recipe_is_delayed_scaling():
   np.testing.assert_array_equal(fp8.einsum("ij,jk->ik", x, k, state), np.full((2, 2), 4.5))
 
 
+def dot_general_avals(recipe, x, w, g):
+  """(operand avals, result aval) of every dot_general in a recipe's matmul and its VJP."""
+
+  def run(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
+    return y, *vjp(g)
+
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(([v.aval for v in eqn.invars], eqn.outvars[0].aval))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(run)(x, w, g).jaxpr)
+  return found
+
+
+def extreme_rows(rng, shape, lo, hi):
+  """Normal values, each row (all axes but the last) times its own 2^u, u in [lo, hi)."""
+  scales = 2.0 ** rng.integers(lo, hi, (*shape[:-1], 1))
+  return np.float32(rng.standard_normal(shape) * scales)
+
+
 # Row-wise scaling ------------------------------------------------------------------------
 
 from jmp_lite.fp8._rowwise import row_scales  # noqa: E402
@@ -342,6 +374,56 @@ def test_rowwise_matmul_and_gradients_within_format_bounds(weight_grad, seed):
     assert np.linalg.norm(got - want) <= 0.1 * np.linalg.norm(want)
   if weight_grad == "compute_dtype":
     np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5, atol=1e-6 * np.abs(x.T @ g).max())
+
+
+from jmp_lite.fp8._quantize import quantize as _quantize  # noqa: E402
+from jmp_lite.fp8._rowwise import _rowwise_product, gemm_dtype  # noqa: E402
+
+
+def fp32_rowwise_product(a, b, a_dtype, b_dtype, out_dtype):
+  """The row-wise product with the GEMM's fp32 sum scaled before any rounding."""
+  s_a, s_b = row_scales(a, a_dtype), row_scales(b, b_dtype)
+  q_a, q_b = _quantize(a, s_a, a_dtype), _quantize(b, s_b, b_dtype)
+  dims = (((2,), (2,)), ((0,), (0,)))
+  out = lax.dot_general(q_a, q_b, dims, lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return (out * (s_a * jnp.swapaxes(s_b, 1, 2))).astype(out_dtype)
+
+
+def test_rowwise_gemm_writes_the_output_dtype_when_it_has_fp32_range():
+  """bf16 operands: the forward GEMM and both fp8 gradient GEMMs write bf16 (half the bytes of
+  fp32), the scales applied after; float16 keeps an fp32 GEMM result (its sum may pass 65504
+  where the scaled result does not)."""
+  assert gemm_dtype(jnp.bfloat16) == jnp.bfloat16 and gemm_dtype(jnp.float32) == jnp.float32
+  assert gemm_dtype(jnp.float16) == jnp.float32
+  for dtype, want in ((jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.float32)):
+    x, w, g = jnp.ones((16, 64), dtype), jnp.ones((64, 8), dtype), jnp.ones((16, 8), dtype)
+    dots = dot_general_avals(fp8.RowwiseScaling(), x, w, g)
+    assert len(dots) == 3
+    for operands, out in dots:
+      assert [o.dtype for o in operands] == [E4M3, E4M3] and out.dtype == want
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("a_dtype", [E4M3, E5M2])
+def test_rowwise_rounding_before_the_power_of_two_scales_changes_no_bit(out_dtype, a_dtype):
+  """Against the GEMM's fp32 sum scaled and then rounded: bit-identical, on rows spanning
+  2^-40..2^40 and on chosen rows: one at 2^100 against columns at 2^27 (products past bf16's
+  and fp32's largest value: inf in both where they overflow), one at 2^-60."""
+  rng = np.random.default_rng(11)
+  a = extreme_rows(rng, (2, 12, 200), -40, 40)
+  b = extreme_rows(rng, (2, 10, 200), -40, 40)
+  unit = lambda v: v / np.abs(v).max(-1, keepdims=True)  # rows of amax 1
+  a[0, 0] = unit(rng.standard_normal(200)) * 2.0**100
+  b[0, :3] = unit(rng.standard_normal((3, 200))) * 2.0**27
+  a[1, 0] = unit(rng.standard_normal(200)) * 2.0**-60
+  a, b = jnp.asarray(a).astype(out_dtype), jnp.asarray(b).astype(out_dtype)
+  highest = lax.Precision.HIGHEST
+  got = jax.jit(lambda a, b: _rowwise_product(a, b, a_dtype, E4M3, out_dtype, highest))(a, b)
+  want = jax.jit(lambda a, b: fp32_rowwise_product(a, b, a_dtype, E4M3, out_dtype))(a, b)
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_array_equal(got, want)
+  if out_dtype != jnp.float16:
+    assert np.isinf(got[0, 0, :3]).any() and np.isfinite(got[1]).all()
 
 
 # Block scaling (DeepSeek-V3) -------------------------------------------------------------
@@ -447,6 +529,75 @@ def test_block_weight_gradient_uses_tiles_along_the_tokens():
   np.testing.assert_allclose(np.asarray(dw, np.float64), want, rtol=2e-6, atol=1e-9)
 
 
+import jmp_lite.fp8._block as _block_module  # noqa: E402
+
+
+def batched_block_product(a, b, a_rows, b_rows):
+  """The block product as one fp8 dot batched over the K chunks, [B, C, M, N] in fp32, each
+  chunk scaled in fp32, then summed over the chunks."""
+  (batch, m, _), n = a.shape, b.shape[1]
+  pad, tile = _block_module._pad_to, _block_module.TILE
+  a, b = pad(pad(a, 2, tile), 1, a_rows), pad(pad(b, 2, tile), 1, b_rows)
+  s_a, s_b = tile_scales(a, a_rows, E4M3), tile_scales(b, b_rows, E4M3)
+  expand = _block_module._expand
+  q_a = _quantize(a, expand(s_a, a_rows, tile), E4M3)
+  q_b = _quantize(b, expand(s_b, b_rows, tile), E4M3)
+  chunks = a.shape[2] // tile
+  q_a = q_a.reshape(batch, a.shape[1], chunks, tile)
+  q_b = q_b.reshape(batch, b.shape[1], chunks, tile)
+  dims = (((3,), (3,)), ((0, 2), (0, 2)))
+  partial = lax.dot_general(q_a, q_b, dims, lax.Precision.HIGHEST, preferred_element_type=F32)
+  row_a = jnp.repeat(s_a, a_rows, axis=1).transpose(0, 2, 1)[..., :, None]
+  row_b = jnp.repeat(s_b, b_rows, axis=1).transpose(0, 2, 1)[..., None, :]
+  return jnp.sum(partial * row_a * row_b, axis=1)[:, :m, :n]
+
+
+F32 = jnp.float32
+
+
+@pytest.mark.parametrize("b_rows", [1, 128])
+def test_block_loops_equal_the_batched_chunk_sum(b_rows, monkeypatch):
+  """The loops over row tiles and K chunks against one dot batched over the chunks and a sum:
+  the same quantized operands, scales and exact fp8 products, each chunk's sum in fp32 and
+  scaled in fp32, the chunks added in fp32; only the order of each K=128 dot's fp32 sum is the
+  backend's (XLA:CPU's two dot shapes differ in a few elements' last bits), so within
+  2 x 128 x 2^-24 of the sum of |terms|. Rows in tiles of 7 (20 rows, padded to 21), K = 330
+  padded to 3 chunks, chunks and rows 2^-30..2^30 apart; the bf16 result is the fp32 one
+  rounded."""
+  monkeypatch.setattr(_block_module, "ROW_TILE", 8)
+  rng = np.random.default_rng(12)
+  a = extreme_rows(rng, (1, 20, 330), -30, 30)
+  a *= np.float32(np.repeat(2.0 ** rng.integers(-30, 30, (1, 1, 3)), 128, 2)[..., :330])
+  b = extreme_rows(rng, (1, 150, 330), -10, 10)
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  product = functools.partial(_block_module.block_product, precision=lax.Precision.HIGHEST)
+  got = jax.jit(lambda a, b: product(a, b, 1, b_rows, E4M3, F32))(a, b)
+  want = jax.jit(lambda a, b: batched_block_product(a, b, 1, b_rows))(a, b)
+  terms = jax.jit(lambda a, b: batched_block_product(abs(a), abs(b), 1, b_rows))(a, b)
+  got, want, terms = np.asarray(got), np.asarray(want), np.asarray(terms)
+  assert np.all(np.abs(got - want) <= 2 * 128 * 2.0**-24 * terms)
+  bf16 = jax.jit(lambda a, b: product(a, b, 1, b_rows, E4M3, jnp.bfloat16))(a, b)
+  np.testing.assert_array_equal(np.asarray(bf16), np.asarray(jnp.asarray(got).astype(jnp.bfloat16)))
+
+
+def test_block_gemms_are_one_row_tile_by_one_chunk(monkeypatch):
+  """Every fp8 dot (forward and both gradients) is one K=128 chunk of one tile of at most
+  ROW_TILE rows, with an fp32 result: no dot writes all K / 128 partial products."""
+  monkeypatch.setattr(_block_module, "ROW_TILE", 16)
+  x, w, g = (
+    jnp.ones((40, 384), jnp.bfloat16),
+    jnp.ones((384, 200), jnp.bfloat16),
+    jnp.ones((40, 200), jnp.bfloat16),
+  )
+  dots = dot_general_avals(fp8.BlockScaling(), x, w, g)
+  # y: 40 rows in 3 tiles of 14, N = 200 padded to 256; dx: the same rows, N = 384;
+  # dw: w's 256 rows (padded) in 16 tiles of 16 by x's 384 columns, K = 40 tokens padded to 128.
+  want = [(1, 14, 256), (1, 14, 384), (1, 16, 384)]
+  assert sorted(out.shape for _, out in dots) == sorted(want)
+  for operands, out in dots:
+    assert [o.shape[-1] for o in operands] == [128, 128] and out.dtype == F32
+
+
 # MXFP8 ---------------------------------------------------------------------------------
 
 from jmp_lite.fp8._mx import e8m0_scales  # noqa: E402
@@ -506,6 +657,79 @@ def test_mxfp8_emulated_matmul_and_gradients_match_the_format(k):
   ):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     assert np.linalg.norm(got - exact) <= 0.1 * np.linalg.norm(exact)
+
+
+from jmp_lite.fp8._mx import mx_product, mx_quantize_dequantize  # noqa: E402
+
+
+def fp32_mx_product(a, b, a_dtype, b_dtype):
+  """The emulated MXFP8 product with the operands dequantized to fp32 and an fp32 matmul."""
+
+  def qdq(x, dtype):
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % 32)])
+    scale = jnp.repeat(e8m0_scales(x, dtype), 32, axis=-1)
+    return _quantize(x, scale, dtype).astype(F32) * scale
+
+  dims = (((2,), (2,)), ((0,), (0,)))
+  a, b = qdq(a, a_dtype), qdq(b, b_dtype)
+  return lax.dot_general(a, b, dims, lax.Precision.HIGHEST, preferred_element_type=F32)
+
+
+def fp32_dequantized(x, dtype):
+  scale = jnp.repeat(e8m0_scales(x, dtype), 32, axis=-1)
+  return _quantize(x, scale, dtype).astype(F32) * scale
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_mxfp8_dequantizes_to_bf16_exactly(dtype):
+  """q * s in bf16 is the fp32 value, bit for bit: bf16 inputs with block amaxes from 2^-133
+  (the smallest bf16 subnormal; the scale is clamped at 2^-126) to 2^127, and fp32 inputs
+  whose blocks' scales are at least 2^-124 (E4M3) / 2^-117 (E5M2). (The exception, an fp32
+  input off bf16's subnormal grid in a block scaled by 2^-126, such as 2^-135 next to 2^-118,
+  is 2^-135 in fp32 and 0 in bf16; XLA:CPU flushes that fp32 subnormal to 0 as well.)"""
+  rng = np.random.default_rng(13)
+  exps = np.arange(-133, 128, 2)
+  x = rng.standard_normal((len(exps), 64)) * (2.0**exps)[:, None]
+  x[:, 0] = 2.0**exps  # the block's amax is at least 2^e: no row is all subnormal noise
+  bf16 = jnp.asarray(np.float32(x)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(
+    np.asarray(mx_quantize_dequantize(bf16, dtype), np.float32), fp32_dequantized(bf16, dtype)
+  )
+  lowest = -124 if dtype == E4M3 else -117
+  top = float(jl.FORMATS[dtype.name].max)
+  fp32 = np.float32(x[exps >= lowest + 9]) if dtype == E4M3 else np.float32(x[exps >= lowest + 16])
+  scales = np.asarray(e8m0_scales(jnp.asarray(fp32), dtype))
+  assert scales.min() >= 2.0**lowest and np.abs(fp32).max() <= top * 2.0**127
+  np.testing.assert_array_equal(
+    np.asarray(mx_quantize_dequantize(jnp.asarray(fp32), dtype), np.float32),
+    fp32_dequantized(jnp.asarray(fp32), dtype),
+  )
+
+
+@pytest.mark.parametrize("operands", [jnp.bfloat16, jnp.float32])
+def test_mxfp8_bf16_operands_give_the_fp32_matmul(operands):
+  """mx_product (bf16 dequantized operands, fp32 sums) against fp32 dequantized operands and
+  an fp32 matmul: the same operand values and exact products, summed in fp32 in an order the
+  backend picks (XLA:CPU's bf16 and fp32 dots differ in the last bits of a few sums), E4M3 and
+  E5M2, rows 2^-40..2^40 apart, K = 200 padded."""
+  rng = np.random.default_rng(14)
+  a = jnp.asarray(extreme_rows(rng, (2, 12, 200), -40, 40)).astype(operands)
+  b = jnp.asarray(extreme_rows(rng, (2, 10, 200), -40, 40)).astype(operands)
+  for dtypes in ((E4M3, E4M3), (E5M2, E4M3)):
+    got = jax.jit(lambda a, b, d=dtypes: mx_product(a, b, *d, F32))(a, b)
+    want = np.asarray(jax.jit(lambda a, b, d=dtypes: fp32_mx_product(a, b, *d))(a, b))
+    # fp32 sums of 224 exact products, reordered: within 224 * 2^-24 of the sum of |terms|.
+    terms = np.asarray(jax.jit(lambda a, b, d=dtypes: fp32_mx_product(abs(a), abs(b), *d))(a, b))
+    assert np.all(np.abs(np.asarray(got) - want) <= 224 * 2.0**-24 * terms)
+
+
+def test_mxfp8_emulated_dots_take_bf16_operands():
+  """The forward and both gradient dots read bf16 (half the bytes of fp32), sum in fp32."""
+  x, w, g = jnp.ones((16, 64), F32), jnp.ones((64, 8), F32), jnp.ones((16, 8), F32)
+  dots = dot_general_avals(fp8.Mxfp8Scaling(), x, w, g)
+  assert len(dots) == 3
+  for operands, out in dots:
+    assert [o.dtype for o in operands] == [jnp.bfloat16] * 2 and out.dtype == F32
 
 
 def test_mxfp8_native_path_reports_whether_this_jax_compiles_it():

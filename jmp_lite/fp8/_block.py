@@ -10,10 +10,12 @@ one per 128 x 128 block, each the tile's amax over E4M3's largest value, in fp32
   y_{bmn} = \sum_c \Big(\sum_{k \in c} q(a)_{bmk}\, q(b)_{bnk}\Big)_{\text{fp32}}
   s_a[b, m, c]\; s_b[b, \lfloor n / 128 \rfloor, c].
 
-The promotion to fp32 every 128 elements of K is expressed as one fp8 ``dot_general`` batched
-over the chunks (each a K=128 fp8 product with an fp32 result), the per-chunk scales applied
-in fp32, and a sum over the chunks in fp32: the fp8 accumulator never sums more than 128
-products. The intermediate holds ``K / 128`` fp32 partial products of the output's size.
+The promotion to fp32 every 128 elements of K is expressed as a loop (``lax.scan``) over the
+chunks: each step one K=128 fp8 ``dot_general`` with an fp32 result, its per-chunk scales applied
+in fp32, added to an fp32 accumulator in the order of the chunks. The fp8 accumulator never sums
+more than 128 products. An outer loop takes the output's rows 1024 at a time (``ROW_TILE``), so
+that the fp32 arrays alive (one tile's sum and one chunk's product) stay small next to the
+output, which is written in its own dtype.
 K, M and N that are not multiples of the tiles are padded with zeros (exact: a zero adds
 nothing to a sum or to an amax).
 """
@@ -70,6 +72,11 @@ def _expand(scale: jax.Array, rows: int, cols: int) -> jax.Array:
   return jnp.repeat(jnp.repeat(scale, rows, axis=1), cols, axis=2)
 
 
+# Output rows per step of the loop over row tiles: the fp32 sum of one tile is at most
+# ROW_TILE x N, however large M is.
+ROW_TILE = 1024
+
+
 def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision) -> jax.Array:
   """``[B, M, K] x [B, N, K] -> [B, M, N]`` with tile scales and fp32 sums per 128 of K."""
   (batch, m, _), n = a.shape, b.shape[1]
@@ -78,16 +85,38 @@ def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision) -> jax.Arra
   s_a, s_b = tile_scales(a, a_rows, dtype), tile_scales(b, b_rows, dtype)
   q_a = quantize(a, _expand(s_a, a_rows, TILE), dtype)
   q_b = quantize(b, _expand(s_b, b_rows, TILE), dtype)
-  chunks = a.shape[2] // TILE
-  q_a = q_a.reshape(batch, a.shape[1], chunks, TILE)
-  q_b = q_b.reshape(batch, b.shape[1], chunks, TILE)
-  # One K=128 fp8 product per chunk, each with an fp32 result: [B, C, M, N].
-  dims = (((3,), (3,)), ((0, 2), (0, 2)))
-  partial = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=F32)
-  row_a = jnp.repeat(s_a, a_rows, axis=1).transpose(0, 2, 1)[..., :, None]  # [B, C, M, 1]
-  row_b = jnp.repeat(s_b, b_rows, axis=1).transpose(0, 2, 1)[..., None, :]  # [B, C, 1, N]
-  out = jnp.sum(partial * row_a * row_b, axis=1)
-  return out[:, :m, :n].astype(out_dtype)
+  chunks, padded_n = a.shape[2] // TILE, b.shape[1]
+  row_a = jnp.repeat(s_a, a_rows, axis=1)  # [B, M, C]
+  row_b = jnp.repeat(s_b, b_rows, axis=1).transpose(2, 0, 1)[..., None, :]  # [C, B, 1, N]
+  q_b = q_b.reshape(batch, padded_n, chunks, TILE).transpose(2, 0, 1, 3)  # [C, B, N, 128]
+  # Rows in R tiles of T (padded with zero rows, whose products are zero and sliced off).
+  tiles = -(-a.shape[1] // ROW_TILE)
+  rows = -(-a.shape[1] // tiles)
+  q_a, row_a = _pad_to(q_a, 1, rows * tiles), _pad_to(row_a, 1, rows * tiles)
+  q_a = q_a.reshape(batch, tiles, rows, chunks, TILE).transpose(1, 3, 0, 2, 4)  # [R, C, B, T, 128]
+  row_a = row_a.reshape(batch, tiles, rows, chunks).transpose(1, 3, 0, 2)[
+    ..., None
+  ]  # [R, C, B, T, 1]
+  dims = (((2,), (2,)), ((0,), (0,)))
+
+  def add_chunk(acc, chunk):
+    # One K=128 fp8 product with an fp32 result, scaled in fp32 and added to the fp32 sum in
+    # the order of the chunks.
+    q_a, q_b, row_a, row_b = chunk
+    partial = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=F32)
+    return acc + partial * row_a * row_b, None
+
+  def row_tile(_, tile):
+    # Loops keep one row tile's fp32 sum and one chunk's product alive, where a dot batched
+    # over the chunks would write K / 128 fp32 products of the output's size.
+    q_a, row_a = tile
+    acc = jnp.zeros((batch, rows, padded_n), F32)
+    acc, _ = lax.scan(add_chunk, acc, (q_a, q_b, row_a, row_b))
+    return None, acc.astype(out_dtype)
+
+  _, out = lax.scan(row_tile, None, (q_a, row_a))  # [R, B, T, N]
+  out = out.transpose(1, 0, 2, 3).reshape(batch, tiles * rows, padded_n)
+  return out[:, :m, :n]
 
 
 class BlockSpec(NamedTuple):

@@ -8,10 +8,11 @@ its contraction,
 
 rounded *up*, so the block's amax always fits (rounding down, as the OCP MX spec's conversion
 does, saturates up to a binade; arXiv 2506.08027 found rounding up necessary for training).
-The emulated path quantizes, dequantizes in fp32 and takes an fp32 matmul: the same numerics as
-a hardware MX GEMM that sums exactly in fp32. ``jax.nn.scaled_dot_general`` runs it natively
-where the installed JAX lowers it (Blackwell GPUs); :func:`native_support` says whether it
-does, and why not.
+The emulated path quantizes, dequantizes (to bf16, which holds every fp8 value times a power of
+two exactly: see :func:`mx_quantize_dequantize`) and sums the products in fp32: the same
+numerics as a hardware MX GEMM that sums exactly in fp32. ``jax.nn.scaled_dot_general`` runs
+it natively where the installed JAX lowers it (Blackwell GPUs); :func:`native_support` says
+whether it does, and why not.
 """
 
 from __future__ import annotations
@@ -57,9 +58,25 @@ def e8m0_scales(x: jax.Array, dtype: Any, block: int = BLOCK) -> jax.Array:
 
 
 def mx_quantize_dequantize(x: jax.Array, dtype: Any) -> jax.Array:
-  """``x [..., K]`` (K padded to 32) through MXFP8 and back, in float32."""
+  r"""``x [..., K]`` (K padded to 32) through MXFP8 and back, in bfloat16.
+
+  The value :math:`q s` (an fp8 value times a power of two) is computed in fp32 and rounded to
+  bf16, which is exact (bf16 has fp32's exponent range and 8 significant bits; E4M3 values
+  have 4, E5M2 3) unless :math:`q s` falls below bf16's subnormal grid, multiples of
+  :math:`2^{-133}`. It never does for an ``x`` on that grid (bf16 or float16 inputs: :math:`q`
+  is then a multiple of :math:`2^{-133} / s`), nor when :math:`s \ge 2^{-124}` (E4M3, whose
+  values are multiples of :math:`2^{-9}`) or :math:`s \ge 2^{-117}` (E5M2, :math:`2^{-16}`),
+  i.e. a block amax above :math:`448 \cdot 2^{-125}` or :math:`57344 \cdot 2^{-118}`.
+
+  Args:
+    x: a ``[..., K]`` array, K a multiple of 32.
+    dtype: the fp8 element format.
+
+  Returns:
+    The dequantized values in bfloat16, shaped like ``x``.
+  """
   scale = jnp.repeat(e8m0_scales(x, dtype), BLOCK, axis=-1)
-  return quantize(x, scale, dtype).astype(F32) * scale
+  return (quantize(x, scale, dtype).astype(F32) * scale).astype(jnp.bfloat16)
 
 
 def _pad_k(x: jax.Array) -> jax.Array:
@@ -68,10 +85,12 @@ def _pad_k(x: jax.Array) -> jax.Array:
 
 
 def mx_product(a, b, a_dtype, b_dtype, out_dtype) -> jax.Array:
-  """``[B, M, K] x [B, N, K] -> [B, M, N]``: MXFP8 operands, dequantized, an fp32 matmul."""
+  """``[B, M, K] x [B, N, K] -> [B, M, N]``: MXFP8 operands, dequantized, summed in fp32."""
   a, b = mx_quantize_dequantize(_pad_k(a), a_dtype), mx_quantize_dequantize(_pad_k(b), b_dtype)
   dims = (((2,), (2,)), ((0,), (0,)))
-  out = lax.dot_general(a, b, dims, lax.Precision.HIGHEST, preferred_element_type=F32)
+  # bf16 operands with an fp32 result: each product (at most 8 significant bits) is exact in
+  # fp32, as in an fp32 matmul of the same values, and the sums are fp32's.
+  out = lax.dot_general(a, b, dims, preferred_element_type=F32)
   return out.astype(out_dtype)
 
 

@@ -9,6 +9,9 @@ is everything but its contracting axes:
   s_a[b, m] = 2^{\lceil \log_2 (\max_k |a_{bmk}| / \text{fp8\_max}) \rceil}, \qquad
   y_{bmn} = \Big(\sum_k q(a)_{bmk}\, q(b)_{bnk}\Big)_{\text{fp32}} s_a[b, m]\, s_b[b, n].
 
+The GEMM rounds its fp32 sum to the output dtype (bf16 or fp32) before the scales are applied,
+which gives the same values as rounding after them (see :func:`gemm_dtype`).
+
 The backward pass quantizes each of its products again along *its* contraction: the input
 gradient :math:`g\, k^\top` contracts the output axis (rows of :math:`g` and of :math:`k^\top`),
 the weight gradient :math:`x^\top g` contracts the batch of tokens (columns of :math:`x` and
@@ -54,13 +57,41 @@ def row_scales(x: jax.Array, dtype: Any) -> jax.Array:
   return jnp.where(usable & (scale > 0), scale, 1.0)
 
 
+# Output dtypes with fp32's exponent range: a GEMM may round to them before the scales apply.
+_WIDE_RANGE = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+
+
+def gemm_dtype(out_dtype: Any) -> np.dtype:
+  r"""The dtype the row-wise GEMM writes before its power-of-two scales are applied.
+
+  The GEMM sums in fp32 to :math:`r`; rounding :math:`r` to the output dtype and then
+  multiplying by the power of two :math:`s = s_a s_b` gives the same value as rounding
+  :math:`r s`, as long as :math:`r s` is 0, non-finite or normal (:math:`|r s| \ge 2^{-126}`):
+  scaling by a power of two shifts the exponent and keeps the significand. bf16 and fp32 share
+  fp32's exponent range, and :math:`r` (a sum of fp8 products, nonzero ones at least
+  :math:`2^{-32}`) is always in it, so the GEMM writes them directly (a bf16 result is half
+  the bytes of an fp32 one). Narrower formats (float16: :math:`r` may exceed 65504 where
+  :math:`r s` does not) keep the fp32 result.
+
+  Args:
+    out_dtype: the product's dtype.
+
+  Returns:
+    ``out_dtype`` for bf16 and fp32, else float32.
+  """
+  out_dtype = np.dtype(out_dtype)
+  return out_dtype if out_dtype in _WIDE_RANGE else np.dtype(F32)
+
+
 def _rowwise_product(a, b, a_dtype, b_dtype, out_dtype, precision) -> jax.Array:
   """``[B, M, K] x [B, N, K] -> [B, M, N]``, each row quantized with its own scale."""
   s_a, s_b = row_scales(a, a_dtype), row_scales(b, b_dtype)
   q_a, q_b = quantize(a, s_a, a_dtype), quantize(b, s_b, b_dtype)
   dims = (((2,), (2,)), ((0,), (0,)))
-  out = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=F32)
-  return (out * (s_a * jnp.swapaxes(s_b, 1, 2))).astype(out_dtype)
+  # A per-row scale is no GEMM epilogue XLA fuses: the GEMM writes its result rounded, and a
+  # second kernel scales it (exact, see gemm_dtype).
+  out = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=gemm_dtype(out_dtype))
+  return (out.astype(F32) * (s_a * jnp.swapaxes(s_b, 1, 2))).astype(out_dtype)
 
 
 class RowwiseSpec(NamedTuple):
