@@ -79,10 +79,10 @@ def test_promotion_every_128_reduces_the_14_bit_accumulators_error():
 
 def test_training_smoke_reports_each_run_against_bf16(tmp_path):
   result = fp8_training.main(
-    ["--smoke", "--steps", "3", "--runs", "bf16,fp8_current,fp8_delayed", "--out", str(tmp_path)]
+    ["--smoke", "--steps", "2", "--runs", "fp8_current,bf16", "--out", str(tmp_path)]
   )
   runs = result["runs"]
-  assert list(runs) == ["bf16", "fp8_delayed", "fp8_current"]
+  assert list(runs) == ["bf16", "fp8_current"]  # in the script's order
   bf16 = runs["bf16"]["val_loss"]
   for name, row in runs.items():
     assert row["vs_bf16"] == pytest.approx((row["val_loss"] - bf16) / bf16)

@@ -116,10 +116,17 @@ def _first_step(name, config, tokens, params):
   return step, state, step(state, tokens)
 
 
+@pytest.fixture(scope="module")
+def bf16_first_loss(smoke_batch):
+  """The bf16 policy's first loss on the smoke batch, computed once for every fp8 recipe."""
+  _, _, (_, loss) = _first_step("policy_bf16", *smoke_batch)
+  return loss
+
+
 @pytest.mark.parametrize("name", FP8_RUN)
-def test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy(name, smoke_batch):
+def test_fp8_recipes_run_a_step_in_fp8_near_the_bf16_policy(name, smoke_batch, bf16_first_loss):
   config, tokens, params = smoke_batch
-  _, _, (_, bf16_loss) = _first_step("policy_bf16", config, tokens, params)
+  bf16_loss = bf16_first_loss
   step, state, (new_state, loss) = _first_step(name, config, tokens, params)
   new_params = new_state[0]  # (params, opt_state), or (params, fp8 state, opt_state)
   # The first loss is the bf16 policy's to fp8's error (the same parameters and batch).
