@@ -1,6 +1,7 @@
 """jl.autocast: the op table applied to a traced program (jmp_lite/_autocast/)."""
 
 import collections
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +203,14 @@ def test_bad_arguments_raise_naming_the_part(kwargs, error, match):
   kwargs = {"policy": POLICY, **kwargs}
   with pytest.raises(error, match=match):
     jl.autocast(jnp.exp, kwargs.pop("policy"), **kwargs)
+
+
+def test_a_primitive_name_jax_lacks_is_warned_about():
+  with pytest.warns(UserWarning, match=r"overrides\['expp'\]: JAX has no primitive"):
+    jl.autocast(jnp.exp, POLICY, overrides={"expp": "input"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # real primitive names pass silently
+    jl.autocast(jnp.exp, POLICY, overrides={"tanh": "float32", "exp": "input"})
 
 
 # Transformations and higher-order primitives.

@@ -411,6 +411,16 @@ def test_select_tree_errors():
     jl.select_tree(jnp.array(True), a, {"x": jnp.zeros(2, jnp.int32)})
 
 
+def test_select_tree_takes_shared_non_array_leaves_as_they_are():
+  # An Equinox module's tree holds its activation functions as leaves.
+  a, b = {"act": jnp.tanh, "w": jnp.ones(2)}, {"act": jnp.tanh, "w": jnp.zeros(2)}
+  out = jl.select_tree(jnp.array(False), a, b)
+  assert out["act"] is jnp.tanh
+  np.testing.assert_array_equal(out["w"], b["w"])
+  with pytest.raises(TypeError, match=r"select_tree: the leaves at \['act'\] are not both arrays"):
+    jl.select_tree(jnp.array(True), a, {"act": jnp.sin, "w": jnp.zeros(2)})
+
+
 # Multi-device: 8 host CPU devices (see conftest.py) --------------------------------------
 
 

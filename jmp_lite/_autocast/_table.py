@@ -19,7 +19,9 @@ A rule names how an equation's floating operands are read:
 
 from __future__ import annotations
 
+import functools
 import types
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,6 +87,9 @@ def check_table(table: Any, name: str) -> dict[str, str]:
   Raises:
     TypeError: if ``table`` is not a mapping of strings.
     ValueError: for a rule that is not one of :data:`RULES`.
+
+  A primitive name JAX does not define (nor the default table) is warned about: a
+  misspelled name would otherwise change nothing.
   """
   if not isinstance(table, Mapping):
     raise TypeError(f"{name} must be a mapping of primitive names to rules, got {table!r}.")
@@ -96,5 +101,20 @@ def check_table(table: Any, name: str) -> dict[str, str]:
       raise ValueError(
         f"{name}[{primitive!r}] = {rule!r} is not a rule; accepted: {', '.join(RULES)}."
       )
+    if primitive not in _DEFAULT and primitive not in _jax_primitive_names():
+      warnings.warn(
+        f"{name}[{primitive!r}]: JAX has no primitive of that name (a misspelling?); the rule "
+        "applies only if a primitive so named (one of your own) runs.",
+        UserWarning,
+        stacklevel=3,
+      )
     out[primitive] = rule
   return out
+
+
+@functools.cache
+def _jax_primitive_names() -> frozenset[str]:
+  from jax.extend import core
+  from jax.extend.core import primitives
+
+  return frozenset(p.name for p in vars(primitives).values() if isinstance(p, core.Primitive))
