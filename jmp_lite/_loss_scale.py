@@ -676,32 +676,13 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
 
   Returns:
     A tree with their structure, each leaf selected with ``lax.select`` (no
-    branch, so it costs the same either way under ``jit``). A leaf that is not
-    an array (a function in an Equinox module) is taken as it is when it is
-    the same object in both trees.
+    branch, so it costs the same either way under ``jit``); a non-array leaf
+    (an Equinox module's function) the two trees share is taken as it is.
 
   Raises:
-    TypeError: for non-array leaves that differ between the trees (named by
-      their path).
+    TypeError: for non-array leaves that differ (named by their path).
 
   >>> select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"].tolist()
   [0.0, 0.0]
   """
-  pred = _validation.check_predicate(pred, "pred")
-
-  def select(path, x, y):
-    if _is_array_like(x) and _is_array_like(y):
-      return lax.select(pred, jnp.asarray(x), jnp.asarray(y))
-    if x is y:
-      return x
-    raise TypeError(
-      f"select_tree: the leaves at {jax.tree_util.keystr(path)} are not both arrays and are "
-      f"not the same object ({x!r}, {y!r}); only arrays can be selected (filter the trees "
-      "first, e.g. with eqx.filter)."
-    )
-
-  return jax.tree_util.tree_map_with_path(select, a, b)
-
-
-def _is_array_like(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+  return _tree_util.select_leaves(_validation.check_predicate(pred, "pred"), a, b)

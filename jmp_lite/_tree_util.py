@@ -123,6 +123,37 @@ def copy_arrays(tree: T) -> T:
   return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def select_leaves(pred: Any, a: Any, b: Any) -> Any:
+  """``lax.select(pred, ...)`` leaf by leaf; a non-array leaf both trees share is kept.
+
+  Args:
+    pred: a checked bool scalar.
+    a: the tree taken where ``pred`` is True.
+    b: the tree taken where it is False.
+
+  Returns:
+    The selected tree.
+
+  Raises:
+    TypeError: for non-array leaves that differ (named by their path).
+  """
+
+  def select(path, x, y):
+    if isinstance(x, _ARRAY_LIKE) and isinstance(y, _ARRAY_LIKE):
+      return jax.lax.select(pred, jnp.asarray(x), jnp.asarray(y))
+    if x is y:
+      return x
+    raise TypeError(
+      f"select_tree: the leaves at {jax.tree_util.keystr(path)} are not both arrays and are not "
+      f"the same object ({x!r}, {y!r}); filter the trees first (e.g. with eqx.filter)."
+    )
+
+  return jax.tree_util.tree_map_with_path(select, a, b)
+
+
 def is_array(x: Any) -> bool:
   """Whether ``x`` is a JAX or NumPy array (what a transform traces)."""
   return isinstance(x, (jax.Array, np.ndarray))
