@@ -259,7 +259,8 @@ def _fp8_build(config: dict, spec: str, config_kwargs: dict) -> Step:
     return jl.fp8.calibrate(fun, fresh, fp8_config)
 
   def init(params, tokens):
-    return params, calibrated_state(params, tokens), tx.init(params)
+    # Compiled: calibrating eagerly dispatches (and compiles) every op of a backward pass.
+    return params, jax.jit(calibrated_state)(params, tokens), tx.init(params)
 
   def step(state, tokens):
     params, fp8_state, opt_state = state
