@@ -1,10 +1,14 @@
 """Ambient values: set for the duration of a ``with`` block, read while tracing.
 
-Several ops need to know something their callers do not pass them: the loss
-scale the gradients carry (fp8), the layer-wise stage context, whether fp8 ops
-quantize with current scaling. They read it when they are traced, as
-:func:`jax.named_scope` is read. One :class:`Ambient` per such value; scopes
-nest, and each thread (and each ``contextvars`` context) sees its own.
+A value is passed explicitly wherever its holder calls the code that needs it.
+It is ambient only where the code is called by someone who cannot pass it: a
+Flax interceptor or an NNX layer, which call with their own fixed arguments,
+or the user's own loss function, which the holder receives as a closure (e.g.
+the open :func:`jmp_lite.fp8.current_scaling` scopes, the layer-wise stage
+boundaries' context); each module that defines one says why in its docstring.
+They are read when the code is traced, as :func:`jax.named_scope` is read. One
+:class:`Ambient` per such value; scopes nest, and each thread (and each
+``contextvars`` context) sees its own.
 """
 
 import contextlib

@@ -1,4 +1,11 @@
-"""Current scaling, and the calibration pass that uses it before the first step (private)."""
+"""Current scaling, and the calibration pass that uses it before the first step (private).
+
+The open :func:`current_scaling` scopes are ambient (``SCOPES``) because the
+fp8 ops they change are called by the user's loss function (the closure
+:func:`calibrate` receives) or by Flax layers, neither of which the scope's
+opener can give an argument to; each scope also counts the probed ops traced
+inside, the one way :func:`calibrate` can tell that ``fun`` traced none.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import string
 from typing import NamedTuple, Unpack
 
@@ -100,7 +99,6 @@ class _EinsumPlan(NamedTuple):
   perm: tuple[int, ...]
 
 
-@functools.lru_cache(maxsize=256)
 def _einsum_plan(subscripts: str, lhs_shape: tuple, rhs_shape: tuple) -> _EinsumPlan:
   lhs, rhs, out = einsum_subscripts(subscripts, len(lhs_shape), len(rhs_shape))
   for c in set(lhs) & set(rhs):

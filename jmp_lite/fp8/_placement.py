@@ -37,7 +37,6 @@ matmuls from :math:`M = K = N = 1442` (H200 numbers).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Sequence
@@ -197,12 +196,7 @@ def pattern_matches(pattern: str | type, path: str, classes: tuple[type, ...]) -
   """
   if isinstance(pattern, type):
     return any(issubclass(c, pattern) for c in classes)
-  return _compiled(pattern).search(path) is not None
-
-
-@functools.lru_cache(maxsize=512)
-def _compiled(pattern: str) -> re.Pattern:
-  return re.compile(pattern)
+  return re.search(pattern, path) is not None  # re keeps the compiled patterns itself
 
 
 def describe_pattern(pattern: str | type) -> str:

@@ -11,7 +11,10 @@ of :math:`\lfloor \log_2 |g| \rfloor`) as the gradient of a zero *probe*
 input, so that ``jax.grad`` returns them with the parameter gradients: no host
 sync. The boundaries are inactive (identities) unless a
 :class:`BoundaryContext` is in scope, which :func:`with_boundaries` sets while
-the loss is differentiated.
+the loss is differentiated. The context is ambient (``_ACTIVE``) because
+:func:`stage_boundary` is called inside the user's model, by the loss function
+the differentiation receives as a closure (or by a Flax layer), and so cannot
+be given it as an argument.
 """
 
 from __future__ import annotations

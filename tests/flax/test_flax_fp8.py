@@ -294,35 +294,106 @@ def test_linen_fp8_policy_spellings():
     flax_fp8.linen_interceptor(3)
 
 
-def test_loss_scale_scopes_nest_and_stay_in_their_thread():
-  """The ops read the innermost loss_scale_scope when traced; another thread sees none."""
+def test_linen_ops_take_the_loss_scale_linen_fp8_is_given():
+  """Each interceptor gives the ops it runs its own loss scale."""
   x = inputs()
   dense = nn.Dense(3)
   variables = linen_init(dense, x)
 
-  def observed_grad_amax(loss_scale_scopes=()):
+  def observed_grad_amax(*loss_scales, direct=False):
     def loss(amax):
-      with nn.intercept_methods(
-        flax_fp8.linen_interceptor(CONFIG, placement=fp8.ALL_LAYERS)
-      ):  # sets no loss scale
+      with contextlib.ExitStack() as stack:
+        for loss_scale in loss_scales:  # nested, outermost first
+          if direct:
+            interceptor = flax_fp8.linen_interceptor(
+              CONFIG, placement=fp8.ALL_LAYERS, loss_scale=loss_scale
+            )
+            stack.enter_context(nn.intercept_methods(interceptor))
+          else:
+            stack.enter_context(
+              flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS, loss_scale=loss_scale)
+            )
         y = dense.apply({**variables, flax_fp8.AMAX_COLLECTION: amax}, x)
       return jnp.sum(y) * 8.0  # output gradients of 8: a loss scaled by 8
 
     probes = fp8.zeros_amax(variables[flax_fp8.STATE_COLLECTION])
-    with contextlib.ExitStack() as stack:
-      for loss_scale in loss_scale_scopes:
-        stack.enter_context(flax_fp8.loss_scale_scope(loss_scale))
-      amax = jax.grad(loss)(probes)
-    return float(amax[flax_fp8.VARIABLE_NAME].output_grad)
+    return float(jax.grad(loss)(probes)[flax_fp8.VARIABLE_NAME].output_grad)
 
-  assert observed_grad_amax() == 8.0  # no scope: loss scale 1
-  assert observed_grad_amax([8.0]) == 1.0  # recorded unscaled
-  assert observed_grad_amax([2.0, jl.StaticLossScale(jnp.float32(8.0))]) == 1.0  # innermost
-  assert observed_grad_amax([2.0, None]) == 8.0  # None is a scale of 1, not "inherit"
-  with flax_fp8.loss_scale_scope(4.0):
-    assert observed_grad_amax() == 2.0
+  assert observed_grad_amax(None) == 8.0  # loss scale 1
+  assert observed_grad_amax(8.0) == 1.0  # recorded unscaled
+  assert observed_grad_amax(8.0, direct=True) == 1.0  # the raw interceptor takes it too
+  assert observed_grad_amax(jl.StaticLossScale(jnp.float32(8.0))) == 1.0
+  # Nested, the outer linen_fp8 runs the layers (Flax calls it first), with its own loss scale.
+  assert observed_grad_amax(2.0, jl.StaticLossScale(jnp.float32(8.0))) == 4.0
+  assert observed_grad_amax(None, 8.0) == 8.0
+  with flax_fp8.linen_fp8(CONFIG, loss_scale=4.0):  # registered in this thread only
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      assert pool.submit(observed_grad_amax).result() == 8.0
+      assert pool.submit(observed_grad_amax, None).result() == 8.0
+
+
+# The Dense of the explicit-injection tests: kernel, bias, the state (scales 1), the input, and
+# output-gradient weights whose products with a loss scale of 3 divide back exactly.
+INJECTED_S = 3.0
+
+
+def injected_dense_case():
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.choice([-1.0, -0.5, 0.25, 0.75, 1.0], (6, 3)), jnp.float32)
+  kernel = jnp.asarray(np.random.default_rng(2).standard_normal((4, 3)) * 0.3, jnp.float32)
+  bias = jnp.asarray(np.random.default_rng(3).standard_normal((3,)) * 0.3, jnp.float32)
+  one = fp8.init_scale_state(4)._replace(scale=jnp.float32(1.0))
+  return {"kernel": kernel, "bias": bias}, fp8.Fp8DotState(one, one, one), w
+
+
+def injected_grads(loss_scale):
+  """Gradients (params, probe) of a Dense with an injected LinenFp8DotGeneral."""
+  x = inputs()
+  params, state, w = injected_dense_case()
+  op = functools.partial(flax_fp8.LinenFp8DotGeneral, config=CONFIG, loss_scale=loss_scale)
+  dense = nn.Dense(3, dot_general_cls=op)
+  child = "LinenFp8DotGeneral_0"
+
+  def loss(params, amax):
+    variables = {
+      "params": params,
+      flax_fp8.STATE_COLLECTION: {child: {flax_fp8.VARIABLE_NAME: state}},
+      flax_fp8.AMAX_COLLECTION: {child: {flax_fp8.VARIABLE_NAME: amax}},
+    }
+    return jnp.sum(dense.apply(variables, x) * w) * INJECTED_S
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, fp8.zeros_amax(state))
+
+
+def test_linen_injected_op_takes_the_loss_scale_as_a_field():
+  """Bit for bit fp8.dot_general with the loss scale, and the old loss-scale scope's values."""
+  x = inputs()
+  params, state, w = injected_dense_case()
+
+  def reference(params, amax):
+    y = fp8.dot_general(
+      x, params["kernel"], DENSE, state, amax, config=CONFIG, loss_scale=INJECTED_S
+    )
+    return jnp.sum((y + params["bias"]) * w) * INJECTED_S
+
+  want = jax.jit(jax.grad(reference, argnums=(0, 1)))(params, fp8.zeros_amax(state))
+  got = injected_grads(INJECTED_S)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  grads, amax = got
+  # What the Dense gave inside flax_fp8.loss_scale_scope(3.0), the scope this field replaces.
+  assert [float(a) for a in amax] == [4.65006160736084, 0.7324402332305908, 1.0]
+  np.testing.assert_array_equal(
+    grads["kernel"],
+    [
+      [0.9375, -18.0, 4.125],
+      [-1.78125, -6.9375, 3.609375],
+      [6.1875, -18.46875, -6.9375],
+      [5.80078125, -2.16796875, -8.90625],
+    ],
+  )
+  # Without it the output gradient is taken as unscaled: its amax is recorded times 3.
+  assert float(injected_grads(None)[1].output_grad) == 3.0
+  with pytest.raises(TypeError, match=r"loss_scale must be .*LossScale, got str\."):
+    injected_grads("3")
 
 
 # NNX -----------------------------------------------------------------------------------
@@ -424,6 +495,54 @@ def test_nnx_value_and_grad_with_loss_scale():
     nnx.state(plain, flax_fp8.Fp8State),
     nnx.state(scaled, flax_fp8.Fp8State),
   )
+
+
+def test_nnx_ops_read_the_loss_scale_nnx_value_and_grad_sets_in_their_variable():
+  """Bit for bit linen_fp8 with the same loss scale (3: a visible one), set only meanwhile."""
+  x = inputs()
+  variables = layers_variables()
+  model = nnx_like_linen(variables)
+  ops = (model.dense.dot_general, model.general.dot_general, model.einsum.einsum_op)
+  assert [float(op.loss_scale.get_value()) for op in ops] == [1.0, 1.0, 1.0]
+  assert len(jax.tree.leaves(nnx.state(model, flax_fp8.Fp8LossScale))) == 3
+
+  def loss_fn(model, x):  # returns the loss scale the dense op holds while differentiated
+    return nnx_loss(model, x), model.dense.dot_general.loss_scale.get_value()
+
+  @nnx.jit
+  def step(model, x):
+    grad_fn = flax_fp8.nnx_value_and_grad(loss_fn, has_aux=True, loss_scale=3.0)
+    return grad_fn(model, x)
+
+  (_, held), grads = step(model, x)
+  assert float(held) == 3.0
+  assert [float(op.loss_scale.get_value()) for op in ops] == [1.0, 1.0, 1.0]  # reset after
+
+  @jax.jit  # the loss scale an argument, as NNX's variable is: a constant 3 would be folded
+  def linen_grads(params, state, loss_scale):
+    def loss(params, amax):
+      with flax_fp8.linen_fp8(CONFIG, placement=fp8.ALL_LAYERS, loss_scale=loss_scale):
+        out = Layers().apply({"params": params, "fp8_state": state, "fp8_amax": amax}, x)
+      return loss_scale * sum(jnp.sum(v * (i + 1)) for i, v in enumerate(out.values()))
+
+    return jax.grad(loss, argnums=(0, 1))(params, fp8.zeros_amax(state))
+
+  want, amax = linen_grads(variables["params"], variables["fp8_state"], jnp.float32(3.0))
+  for name in ("dense", "general", "einsum", "own"):
+    for param in ("kernel", "bias"):
+      np.testing.assert_array_equal(
+        grads[name][param].get_value(), want[name][param], err_msg=f"{name}.{param}"
+      )
+  expected = fp8.update(variables["fp8_state"], amax, CONFIG)
+  for name, op in zip(("dense", "general", "einsum"), ops, strict=True):
+    jax.tree.map(  # computed by two programs: equal up to the last bit
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+      op.dot_state,
+      expected[name][flax_fp8.VARIABLE_NAME],
+    )
+  with pytest.raises(TypeError, match=r"loss_scale must be .*, got str\."):
+    flax_fp8.nnx_value_and_grad(nnx_loss, loss_scale="3")(model, x)
+  assert [float(op.loss_scale.get_value()) for op in ops] == [1.0, 1.0, 1.0]
 
 
 def test_nnx_fp8_leaves_other_models_and_optimizers_alone():

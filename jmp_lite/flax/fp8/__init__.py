@@ -39,9 +39,11 @@ the probes as :class:`Fp8Amax` variables. :func:`nnx_value_and_grad`
 differentiates with respect to both the parameters and the probes and folds
 the observations into the state in place.
 
-The loss scale the gradients carry reaches the fp8 ops through
-:func:`loss_scale_scope` (``linen_fp8`` and ``nnx_value_and_grad`` take a
-``loss_scale`` argument that sets it).
+The loss scale the gradients carry is passed where the ops are set up:
+``linen_fp8(..., loss_scale=)`` (and :func:`linen_interceptor`) give it to
+every op they run, :class:`LinenFp8DotGeneral` takes it as a field, and
+``nnx_value_and_grad(..., loss_scale=)`` sets each NNX op's
+:class:`Fp8LossScale` variable for the differentiation it runs.
 
 The recipe decides the state: with :class:`~jmp_lite.fp8.CurrentScaling`
 (the default) layers keep none (no ``"fp8_state"`` collection, no
@@ -58,10 +60,9 @@ too small to pay); :func:`placement_report` says where each layer ran, and why.
 The modules behind this namespace: ``_linen`` (interception and explicit
 injection), ``_nnx`` (the ops NNX layers hold, and the NNX training helpers),
 ``_placement`` (the report, the checks of a placement and its warning) and
-``_common`` (the fp8 spec and the loss-scale scope both halves read).
+``_common`` (the fp8 spec both halves read).
 """
 
-from jmp_lite.flax.fp8._common import loss_scale_scope
 from jmp_lite.flax.fp8._linen import (
   AMAX_COLLECTION,
   STATE_COLLECTION,
@@ -72,6 +73,7 @@ from jmp_lite.flax.fp8._linen import (
 )
 from jmp_lite.flax.fp8._nnx import (
   Fp8Amax,
+  Fp8LossScale,
   Fp8State,
   NnxFp8DotGeneral,
   NnxFp8Einsum,
@@ -104,8 +106,7 @@ __all__ = (
   "NnxFp8Einsum",
   "Fp8State",
   "Fp8Amax",
-  # The loss scale the fp8 ops read
-  "loss_scale_scope",
+  "Fp8LossScale",
   # Where fp8 ran
   "placement_report",
   "PlacementReport",

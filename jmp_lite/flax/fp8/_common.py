@@ -1,48 +1,14 @@
 """What the linen and NNX halves of ``jmp_lite.flax.fp8`` share (private).
 
-The fp8 spec a user gives (a config, a policy or a policy string), and the
-loss scale the fp8 ops read while they are traced.
+The fp8 spec a user gives: a recipe, a policy or a policy string.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from jmp_lite import fp8
-from jmp_lite._context import Ambient
 from jmp_lite._policy import Fp8Policy, Policy, get_fp8_policy
-
-# The loss scale the gradients carry, for the fp8 ops traced inside loss_scale_scope().
-LOSS_SCALE: Ambient[Any] = Ambient("jmp_lite.flax.fp8.loss_scale")
-
-
-@contextlib.contextmanager
-def loss_scale_scope(loss_scale: Any) -> Iterator[None]:
-  """Tells the fp8 ops traced inside which loss scale the gradients carry.
-
-  The ops quantize the output gradient with its scale times the loss scale and
-  record its amax divided by it (see :func:`jmp_lite.fp8.dot_general`).
-
-  Args:
-    loss_scale: a number, a scalar array (a tracer inside ``jit`` is fine: it
-      is read while tracing), a jmp_lite loss scale, or ``None`` (1).
-
-  Returns:
-    A context manager; scopes nest, the innermost wins.
-  """
-  with LOSS_SCALE.scope(loss_scale):
-    yield
-
-
-def op_options(config: Any, **options: Any) -> dict[str, Any]:
-  """Keyword arguments of an fp8 op call: ``config``, the current loss scale, ``options``.
-
-  Called when the op is traced: the loss scale is a tracer of the step being
-  traced.
-  """
-  return {"config": config, "loss_scale": LOSS_SCALE.current(), **options}
 
 
 def config_of_spec(spec: Any) -> Any:

@@ -1,4 +1,11 @@
-"""fp8 matmuls for linen layers, by interception or explicit injection (private)."""
+"""fp8 matmuls for linen layers, by interception or explicit injection (private).
+
+The loss scale reaches the ops explicitly: the interceptor closes over the one
+:func:`linen_fp8` is given, and :class:`LinenFp8DotGeneral` holds it as a field.
+One value is ambient, ``_RUN`` (the outermost module call under the
+interceptor), because Flax calls an interceptor with its own fixed arguments,
+so the nested calls it intercepts can be given nothing else.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import jax.numpy as jnp
 
 from jmp_lite import fp8
 from jmp_lite._context import Ambient
-from jmp_lite.flax.fp8._common import config_of_spec, loss_scale_scope, op_options
+from jmp_lite.flax.fp8._common import config_of_spec
 from jmp_lite.flax.fp8._placement import check_patterns, record, warn_if_no_fp8
 from jmp_lite.fp8._einsum import einsum_dot_shapes, einsum_subscripts
 from jmp_lite.fp8._placement import Fp8Placement, as_placement, matmul_dims, positions
@@ -46,10 +53,11 @@ def _linen_variables(module: nn.Module, config: Any):
   return state, None
 
 
-def _bound_dot_general(state, amax, config, decide=None) -> Callable[..., jax.Array]:
+def _bound_dot_general(state, amax, config, loss_scale, decide=None) -> Callable[..., jax.Array]:
   """A ``lax.dot_general``-compatible function running this layer's fp8 matmul.
 
-  ``decide(m, k, n)`` (the placement's shape rule) may keep it in the operands' dtype.
+  ``loss_scale`` is the one the gradients carry; ``decide(m, k, n)`` (the
+  placement's shape rule) may keep the matmul in the operands' dtype.
   """
 
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
@@ -57,13 +65,18 @@ def _bound_dot_general(state, amax, config, decide=None) -> Callable[..., jax.Ar
       return jax.lax.dot_general(
         lhs, rhs, dimension_numbers, precision, preferred_element_type=preferred_element_type, **kw
       )
-    options = op_options(
-      config,
+    return fp8.dot_general(
+      lhs,
+      rhs,
+      dimension_numbers,
+      state,
+      amax,
+      config=config,
+      loss_scale=loss_scale,
       precision=precision,
       preferred_element_type=preferred_element_type,
       out_sharding=kw.get("out_sharding"),
     )
-    return fp8.dot_general(lhs, rhs, dimension_numbers, state, amax, **options)
 
   return dot_general
 
@@ -73,14 +86,19 @@ class LinenFp8DotGeneral(nn.Module):
 
   ``nn.Dense(16, dot_general_cls=functools.partial(LinenFp8DotGeneral,
   config=config))`` keeps its state and probe under the Dense's child
-  ``LinenFp8DotGeneral_0`` in the same collections as :func:`linen_fp8`, and
-  reads the loss scale from :func:`loss_scale_scope`.
+  ``LinenFp8DotGeneral_0`` in the same collections as :func:`linen_fp8`.
+  With loss scaling, give it the loss scale as well (build the model inside
+  the loss function, where the loss scale is known).
 
   Attributes:
     config: the fp8 recipe (``CurrentScaling()`` by default).
+    loss_scale: the loss scale the gradients carry (a number, a scalar array,
+      a tracer inside ``jit``, a jmp_lite loss scale, or ``None``: 1), as in
+      :func:`jmp_lite.fp8.dot_general`.
   """
 
   config: Any = fp8.CurrentScaling()
+  loss_scale: Any = None
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -98,12 +116,12 @@ class LinenFp8DotGeneral(nn.Module):
     """
     config = fp8.as_recipe(self.config)
     state, amax = _linen_variables(self, config)
-    return _bound_dot_general(state, amax, config)(
+    return _bound_dot_general(state, amax, config, self.loss_scale)(
       lhs, rhs, dimension_numbers, precision, preferred_element_type
     )
 
 
-def _linen_einsum(module: nn.Einsum, config: Any, inputs, einsum_str=None, decide=None):
+def _linen_einsum(module: nn.Einsum, config: Any, loss_scale, inputs, einsum_str=None, decide=None):
   """``nn.Einsum.__call__`` with the contraction in fp8.
 
   linen's Einsum calls ``jnp.einsum`` directly (no injection point), so this
@@ -137,7 +155,9 @@ def _linen_einsum(module: nn.Einsum, config: Any, inputs, einsum_str=None, decid
       kernel,
       state,
       amax,
-      **op_options(config, preferred_element_type=preferred),
+      config=config,
+      loss_scale=loss_scale,
+      preferred_element_type=preferred,
     )
   else:  # as nn.Einsum computes it
     y = jnp.einsum(
@@ -152,11 +172,13 @@ class _LinenFp8Einsum(nn.Einsum):
   """``nn.Einsum`` computing in fp8; what the interceptor calls in place of an Einsum."""
 
   fp8_config: Any = fp8.CurrentScaling()
+  fp8_loss_scale: Any = None
   fp8_decide: Any = None
 
   @nn.compact
   def __call__(self, inputs, einsum_str=None):
-    return _linen_einsum(self, self.fp8_config, inputs, einsum_str, self.fp8_decide)
+    config, loss_scale = self.fp8_config, self.fp8_loss_scale
+    return _linen_einsum(self, config, loss_scale, inputs, einsum_str, self.fp8_decide)
 
 
 def _bound_copy(module: nn.Module, cls: type, **updates: Any) -> nn.Module:
@@ -244,11 +266,12 @@ def _is_layer(module: nn.Module) -> bool:
   return type(module) is nn.Einsum  # a subclass may compute something else
 
 
-def linen_interceptor(fp8_spec: Any = None, placement: Any = None) -> Callable[..., Any]:
+def linen_interceptor(
+  fp8_spec: Any = None, placement: Any = None, *, loss_scale: Any = None
+) -> Callable[..., Any]:
   """The ``nn.intercept_methods`` interceptor behind :func:`linen_fp8`.
 
-  For composing with other interceptors (e.g. a precision-policy one). It
-  reads the loss scale from :func:`loss_scale_scope` at call time. Layers
+  For composing with other interceptors (e.g. a precision-policy one). Layers
   whose user already set ``dot_general``/``dot_general_cls`` keep it, and so
   do subclasses of ``nn.Einsum`` (they may compute something else).
 
@@ -262,6 +285,11 @@ def linen_interceptor(fp8_spec: Any = None, placement: Any = None) -> Callable[.
       default ``Fp8Placement()``: not the first and last matmul layers, nor
       matmuls too small to pay). Finding the first and last layers costs one
       more abstract trace of the model per trace.
+    loss_scale: the loss scale the gradients carry, given to every fp8 op
+      the interceptor runs (a number, a scalar array, a tracer inside ``jit``,
+      a jmp_lite loss scale, or ``None``: 1), as in
+      :func:`jmp_lite.fp8.dot_general`. Build the interceptor inside the loss
+      function, where the loss scale is known.
 
   Returns:
     An interceptor for :func:`flax.linen.intercept_methods`.
@@ -282,11 +310,12 @@ def linen_interceptor(fp8_spec: Any = None, placement: Any = None) -> Callable[.
     if isinstance(module, (nn.Dense, nn.DenseGeneral)):
       state, amax = _linen_variables(module, config)
       # Flax's own __call__, with the fp8 matmul injected.
-      dot_general = _bound_dot_general(state, amax, config, decide)
+      dot_general = _bound_dot_general(state, amax, config, loss_scale, decide)
       return _bound_copy(module, type(module), dot_general=dot_general)(*args, **kwargs)
-    return _bound_copy(module, _LinenFp8Einsum, fp8_config=config, fp8_decide=decide)(
-      *args, **kwargs
+    einsum = _bound_copy(
+      module, _LinenFp8Einsum, fp8_config=config, fp8_loss_scale=loss_scale, fp8_decide=decide
     )
+    return einsum(*args, **kwargs)
 
   def outermost(next_fun, args, kwargs, context):
     module = context.module
@@ -333,14 +362,13 @@ def linen_fp8(
     fp8_spec: an fp8 recipe, an :class:`~jmp_lite.fp8.Fp8Policy` or a policy
       string, as in
       :func:`linen_interceptor`.
-    loss_scale: the loss scale the gradients carry, as in
-      :func:`loss_scale_scope`; set for the code inside (``None`` is 1, and
-      shadows an outer :func:`loss_scale_scope`).
+    loss_scale: the loss scale the gradients carry, given to the fp8 ops of
+      the layers called inside (``None`` is 1), as in
+      :func:`linen_interceptor`.
     placement: which layers run in fp8, as in :func:`linen_interceptor`.
 
   Returns:
     A context manager.
   """
-  interceptor = linen_interceptor(fp8_spec, placement)
-  with nn.intercept_methods(interceptor), loss_scale_scope(loss_scale):
+  with nn.intercept_methods(linen_interceptor(fp8_spec, placement, loss_scale=loss_scale)):
     yield

@@ -1,4 +1,11 @@
-"""fp8 matmuls for NNX layers: ops installed into their matmul slots (private)."""
+"""fp8 matmuls for NNX layers: ops installed into their matmul slots (private).
+
+An NNX layer calls its ``dot_general``/``einsum_op`` with fixed arguments, so
+an op reads what the call does not carry from its own variables: its fp8 state
+(:class:`Fp8State`), its probes (:class:`Fp8Amax`) and the loss scale the
+gradients carry (:class:`Fp8LossScale`), which :func:`nnx_value_and_grad` sets
+for the differentiation it runs.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import fp8
-from jmp_lite._context import Ambient
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
-from jmp_lite.flax.fp8._common import config_of_spec, loss_scale_scope, op_options
+from jmp_lite.flax.fp8._common import config_of_spec
 from jmp_lite.flax.fp8._placement import check_patterns, record, warn_if_no_fp8
 from jmp_lite.fp8._einsum import einsum_dot_shapes
+from jmp_lite.fp8._matmul import loss_scale_value
 from jmp_lite.fp8._placement import Fp8Placement, as_placement, matmul_dims, positions
-
-# While nnx_fp8 looks for the first and last layers: the (path, input) of each op called.
-_DISCOVERY: Ambient[list] = Ambient("jmp_lite.flax.fp8.nnx_discovery")
 
 
 class Fp8State(nnx.Variable):
@@ -29,11 +33,20 @@ class Fp8Amax(nnx.Variable):
   """NNX variable type of the amax probes: zeros whose gradient is the observations."""
 
 
+class Fp8LossScale(nnx.Variable):
+  """NNX variable type of the loss scale an op's gradients carry (a float32 scalar).
+
+  1 outside :func:`nnx_value_and_grad`, which sets it to its ``loss_scale``
+  for the differentiation it runs; only ops that keep state have one.
+  """
+
+
 class NnxFp8DotGeneral(nnx.Module):
   """An fp8 matmul with its own state, for the ``dot_general`` slot of NNX layers.
 
   Variables (named like ``flax.linen.fp8_ops``): ``{input,kernel,output_grad}_scale``
-  and ``..._amax_history`` (:class:`Fp8State`), ``..._amax`` (:class:`Fp8Amax`).
+  and ``..._amax_history`` (:class:`Fp8State`), ``..._amax`` (:class:`Fp8Amax`),
+  and ``loss_scale`` (:class:`Fp8LossScale`).
 
   A recipe that keeps no state (:class:`~jmp_lite.fp8.CurrentScaling`) gives
   an op without variables, and so does an op ``kept`` in the compute dtype.
@@ -65,6 +78,8 @@ class NnxFp8DotGeneral(nnx.Module):
       setattr(self, f"{name}_scale", Fp8State(tensor.scale))
       setattr(self, f"{name}_amax_history", Fp8State(tensor.amax_history))
       setattr(self, f"{name}_amax", Fp8Amax(jnp.zeros((), jnp.float32)))
+    if self.stateful:
+      self.loss_scale = Fp8LossScale(jnp.ones((), jnp.float32))
 
   @property
   def dot_state(self) -> fp8.Fp8DotState | None:
@@ -108,10 +123,6 @@ class NnxFp8DotGeneral(nnx.Module):
 
   def _run(self, op: Callable, plain: Callable, lhs: Any, operands: tuple, options: dict):
     """``op`` (fp8) or ``plain`` (the layer's own matmul), as the placement decides."""
-    found = _DISCOVERY.current()
-    if found is not None:
-      found.append((self.path, lhs))
-      return plain(*operands, **options)
     shape = matmul_dims(*self._shapes(*operands))
     reason = self.kept
     if reason is None and self.placement is not None:
@@ -120,7 +131,10 @@ class NnxFp8DotGeneral(nnx.Module):
       record(self.path, reason, shape)
     if reason is not None:
       return plain(*operands, **options)
-    return op(*operands, self.dot_state, self.amax, **op_options(self.config, **options))
+    loss_scale = self.loss_scale.get_value() if self.stateful else None
+    return op(
+      *operands, self.dot_state, self.amax, config=self.config, loss_scale=loss_scale, **options
+    )
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, **options):
     """:func:`jmp_lite.fp8.dot_general` with this op's state and probe.
@@ -210,16 +224,32 @@ def _free_layers(model: nnx.Module) -> dict[str, tuple[Any, tuple[type, ...]]]:
   return layers
 
 
-def _discover(model: nnx.Module, layers: dict, config: Any, example_call: Any) -> dict:
+def _recorder(einsum: bool, path: str, order: list) -> Callable[..., Any]:
+  """A layer's own matmul that appends ``(path, input)`` to ``order`` when called."""
+  if einsum:
+
+    def einsum_op(subscripts, lhs, rhs, *args, **kwargs):
+      order.append((path, lhs))
+      return jnp.einsum(subscripts, lhs, rhs, *args, **kwargs)
+
+    return einsum_op
+
+  def dot_general(lhs, rhs, *args, **kwargs):
+    order.append((path, lhs))
+    return jax.lax.dot_general(lhs, rhs, *args, **kwargs)
+
+  return dot_general
+
+
+def _discover(model: nnx.Module, layers: dict, example_call: Any) -> dict:
   """The first and last layers ``example_call(model)`` calls (one abstract run, plain matmuls)."""
   slots = {path: _SLOT[type(layer) is nnx.Einsum] for path, (layer, _) in layers.items()}
   saved = {path: getattr(layer, slots[path]) for path, (layer, _) in layers.items()}
-  for path, (layer, _) in layers.items():
-    _install(layer, config, path=path, kept="discovering")
   order: list = []
+  for path, (layer, _) in layers.items():
+    setattr(layer, slots[path], _recorder(type(layer) is nnx.Einsum, path, order))
   try:
-    with _DISCOVERY.scope(order):
-      nnx.eval_shape(example_call, model)
+    nnx.eval_shape(example_call, model)
   finally:  # the layers as they were, whatever example_call did
     for path, (layer, _) in layers.items():
       setattr(layer, slots[path], saved[path])
@@ -295,7 +325,7 @@ def nnx_fp8(
         "once: pass example_call=lambda model: model(x), or placement=fp8.Fp8Placement("
         "keep_first_last=False) to run them in fp8 too."
       )
-    found = _discover(model, layers, config, example_call)
+    found = _discover(model, layers, example_call)
   reasons = {}
   for path, (layer, classes) in layers.items():
     reasons[path] = placement.reason(path, classes, found.get(path))
@@ -388,8 +418,9 @@ def nnx_value_and_grad(
   With a ``loss_scale`` (a jmp_lite loss scale, or an array), it
   differentiates ``loss_scale * fun`` and returns the unscaled value and the
   *scaled* gradients, ready for :func:`jmp_lite.loss_scaling`'s ``update``;
-  the fp8 ops see the loss scale so their output-gradient scales compose with
-  it.
+  each fp8 op that keeps state holds the loss scale in its
+  :class:`Fp8LossScale` variable while ``fun`` is differentiated (1 again
+  after), so its output-gradient scales compose with it.
 
   Args:
     fun: returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
@@ -417,8 +448,20 @@ def nnx_value_and_grad(
   )
 
   def value_and_grad(model, *args, **kwargs):
-    with loss_scale_scope(loss_scale):
+    scales = [
+      node.loss_scale
+      for _, node in nnx.iter_graph(model)
+      if isinstance(node, NnxFp8DotGeneral) and node.stateful
+    ]
+    if scales:  # only delayed scaling reads it: current scaling takes any loss scale
+      scale = loss_scale_value(loss_scale)
+      for variable in scales:
+        variable.set_value(scale)
+    try:
       value, grads = grad_fn(model, *args, **kwargs)
+    finally:
+      for variable in scales:
+        variable.set_value(jnp.ones((), jnp.float32))
     amax, param_grads = _split_state(grads, Fp8Amax, ...)
     nnx_update(model, amax, axis_name=axis_name)
     return value, param_grads

@@ -5,6 +5,10 @@
 is recorded into the innermost :func:`placement_report` scope, a pattern that
 matches no layer is an error, and a model in which no layer runs in fp8 gets
 an :class:`Fp8PlacementWarning`.
+
+The open reports are ambient (``_REPORT``) because the decisions are taken
+inside the calls Flax makes with its own fixed arguments (a linen interceptor's,
+an NNX layer's call of its op), which cannot be given the report.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from typing import NamedTuple
 from jmp_lite import _frames
 from jmp_lite._context import Ambient
 from jmp_lite.fp8._placement import Fp8Placement, describe_pattern, pattern_matches
-
-_FILES = _frames.SourceFiles()
 
 
 class Fp8PlacementWarning(UserWarning):
@@ -136,5 +138,5 @@ def warn_if_no_fp8(reasons: Mapping[str, str | None], model: str) -> None:
     "(its defaults keep the first and last layers and matmuls too small to pay in the compute "
     "dtype); placement=fp8.ALL_LAYERS runs every layer in fp8.",
     Fp8PlacementWarning,
-    stacklevel=_FILES.user_stacklevel(2),
+    stacklevel=_frames.SourceFiles().user_stacklevel(2),
   )
