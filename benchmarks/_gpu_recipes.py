@@ -34,7 +34,7 @@ INITIAL_LOSS_SCALE = 2.0**15
 FP8_HISTORY = 16  # the examples' amax history length
 BF16_POLICY = "params=float32,compute=bfloat16,output=float32"
 FP16_POLICY = "params=float32,compute=float16,output=float32"
-FUSED = jlf.ModulePolicy(attributes={"attention_fn": jlf.fused_dot_product_attention})
+FUSED = jlf.ModuleOverride(attributes={"attention_fn": jlf.fused_dot_product_attention})
 
 
 class Step(NamedTuple):
@@ -93,7 +93,7 @@ def with_policy(spec: str, **options: Any) -> Callable[[dict[str, int]], Callabl
   :class:`~jmp_lite.flax.ModulePolicies` ``options``)."""
 
   def make(config):
-    apply = jlf.policy_apply(TransformerLM(**config), spec, **options)
+    apply = jlf.policy_apply(TransformerLM(**config), jlf.ModulePolicies(spec, **options))
     return lambda params, tokens: apply({"params": params}, tokens)
 
   return make

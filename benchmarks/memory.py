@@ -9,7 +9,7 @@ three ways of running it:
   (LayerNorm fp32 and recomputed in the backward pass, embedding fp32,
   attention softmax fp32 with 16-bit residuals, fp32 accumulation).
 * ``jmp_lite_stored``: the same, but the LayerNorm islands store their fp32
-  intermediates (``ModulePolicy(compute_dtype="f32")``, no recompute), as the
+  intermediates (``ModuleOverride(compute_dtype="f32")``, no recompute), as the
   fp32 and Flax runs do: what the policy saves without trading compute.
 * ``flax_bf16``: the same model built with ``dtype=jnp.bfloat16`` on every
   layer (Flax's own mixed precision; parameters stay fp32), logits cast to
@@ -64,8 +64,10 @@ def loss_fns(config: dict[str, int]) -> dict[str, Callable[[Any, jax.Array], jax
   fp32_model = TransformerLM(**config)
   flax_bf16_model = TransformerLM(**config, dtype=jnp.bfloat16)
   policy_fn = jlf.policy_apply(fp32_model, POLICY)
-  stored_fn = jlf.policy_apply(fp32_model, POLICY, overrides={nn.LayerNorm: jlf.FP32})
-  f32_reduction_fn = jlf.policy_apply(fp32_model, POLICY, grad_reduction_dtype=jnp.float32)
+  stored_fn = jlf.policy_apply(fp32_model, jlf.ModulePolicies(POLICY, {nn.LayerNorm: jlf.FP32}))
+  f32_reduction_fn = jlf.policy_apply(
+    fp32_model, jlf.ModulePolicies(POLICY, grad_reduction_dtype=jnp.float32)
+  )
 
   return {
     "fp32": lambda p, t: lm_loss(fp32_model.apply({"params": p}, t), t),

@@ -3,8 +3,9 @@
 * :func:`policy_apply` / :func:`policy_init`: a linen model's ``apply`` /
   ``init`` under a policy, via :func:`flax.linen.intercept_methods`.
 * :func:`policy_view`: a low-precision view of an NNX model for the forward pass.
-* :class:`ModulePolicy`, :class:`ModulePolicies`, :data:`DEFAULT_OVERRIDES`:
-  per-module-class overrides (normalization and embeddings keep fp32);
+* :class:`ModulePolicies`: what they run a model under, a policy with
+  per-module-class :class:`ModuleOverride` entries taken over
+  :data:`DEFAULT_OVERRIDES` (normalization and embeddings keep fp32);
   :class:`ExplicitDtypeWarning` names modules built with their own ``dtype=``.
 * :func:`dot_general`, :func:`conv_general_dilated`, :func:`einsum`: 16-bit
   matmuls and convolutions (accumulated in fp32 by the hardware), with an
@@ -27,6 +28,7 @@
 from jmp_lite.flax._accumulate import conv_general_dilated, dot_general, einsum
 from jmp_lite.flax._attention import dot_product_attention, softmax
 from jmp_lite.flax._dynamic_scale import DynamicScale, DynamicScaleResult
+from jmp_lite.flax._explicit_dtypes import ExplicitDtypeWarning
 from jmp_lite.flax._fused_attention import (
   FusedAttentionUnavailableWarning,
   fused_dot_product_attention,
@@ -34,14 +36,13 @@ from jmp_lite.flax._fused_attention import (
 from jmp_lite.flax._kernel_hooks import FLAX_HOOKS
 from jmp_lite.flax._layerwise import LayerwiseStages, layerwise_stages
 from jmp_lite.flax._linen import policy_apply, policy_init
-from jmp_lite.flax._module_policy import (
+from jmp_lite.flax._module_override import (
   DEFAULT_OVERRIDES,
   FP32,
   FP32_RECOMPUTED,
-  ExplicitDtypeWarning,
-  ModulePolicies,
-  ModulePolicy,
+  ModuleOverride,
 )
+from jmp_lite.flax._module_policy import ModulePolicies
 from jmp_lite.flax._nnx import PolicyModule, policy_view
 from jmp_lite.flax._optimizer import Optimizer
 from jmp_lite.flax._train_state import TrainState
@@ -54,7 +55,7 @@ __all__ = (
   "PolicyModule",
   # Per-module precision
   "ModulePolicies",
-  "ModulePolicy",
+  "ModuleOverride",
   "FP32",
   "FP32_RECOMPUTED",
   "DEFAULT_OVERRIDES",

@@ -22,7 +22,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jmp_lite import _frames
-from jmp_lite.flax._module_policy import ExplicitDtypeWarning, ModulePolicies, ModulePrecision
+from jmp_lite.flax._module_policy import ModulePolicies
+from jmp_lite.flax._resolved_precision import ResolvedPrecision
+
+
+class ExplicitDtypeWarning(UserWarning):
+  """Modules built with an explicit ``dtype=`` compute in it, not in the policy's dtype.
+
+  Issued once per trace by :func:`~jmp_lite.flax.policy_apply`,
+  :func:`~jmp_lite.flax.policy_init` and :func:`~jmp_lite.flax.policy_view`
+  (with ``explicit_dtypes="warn"``, the default), naming every such module.
+  """
 
 
 class ExplicitDtype(NamedTuple):
@@ -55,12 +65,12 @@ def _as_dtype(value: Any) -> np.dtype | None:
     return None
 
 
-def explicit_dtype_entry(module: Any, precision: ModulePrecision) -> ExplicitDtype:
+def explicit_dtype_entry(module: Any, precision: ResolvedPrecision) -> ExplicitDtype:
   """Describes a module whose ``dtype`` the policy keeps (``precision.explicit_dtype``).
 
   Args:
     module: a linen or NNX module.
-    precision: its :class:`ModulePrecision`, with an ``explicit_dtype``.
+    precision: its :class:`ResolvedPrecision`, with an ``explicit_dtype``.
 
   Returns:
     Its :class:`ExplicitDtype`, for :func:`warn_explicit_dtypes`.
@@ -136,8 +146,9 @@ def warn_explicit_dtypes(
     f"{caller}: {len(found)} module(s) have a dtype other than the compute dtype the policy "
     f"gives them, and compute in their own dtype (so do the modules inside them without a "
     f"dtype of their own): {names}. To train in the policy's dtype, {' and '.join(fixes)} "
-    "(Flax's default dtype=None follows the policy), or pass explicit_dtypes='policy'; if "
-    "the dtypes are deliberate, pass explicit_dtypes='keep' to silence this warning.",
+    "(Flax's default dtype=None follows the policy), or run it under "
+    "jl.flax.ModulePolicies(policy, explicit_dtypes='policy'); if the dtypes are deliberate, "
+    "explicit_dtypes='keep' silences this warning.",
     ExplicitDtypeWarning,
     stacklevel=_FILES.user_stacklevel(stacklevel + 1),
   )

@@ -55,10 +55,15 @@ from jmp_lite.flax._module_call import (
 )
 from jmp_lite.flax._module_policy import (
   ModulePolicies,
-  ModulePrecision,
   as_module_policies,
-  explicit_dtype,
+  options_on_the_policy,
   rewrites_model_ops,
+)
+from jmp_lite.flax._resolved_precision import (
+  ResolvedPrecision,
+  attribute_updates,
+  explicit_dtype,
+  resolve,
 )
 
 _PARAMS = "params"
@@ -99,13 +104,12 @@ class _Interceptor:
     self.wide_calls = wide_calls
     self.counter = CallCounter()  # the same numbering while discovering and running
     self.calls: list[CallRecord] = []  # while discovering, in exit order
-    self.stack: list[ModulePrecision] = []  # the enclosing module calls, outermost first
+    self.stack: list[ResolvedPrecision] = []  # the enclosing module calls, outermost first
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
-    resolved = self.policies.resolve(
-      type(module), self.stack[-1] if self.stack else None, explicit_dtype(module)
-    )
+    parent = self.stack[-1] if self.stack else None
+    resolved = resolve(self.policies, type(module), parent, explicit_dtype(module))
     if self.owners is not None:
       self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
     if self.found is not None and resolved.explicit_dtype is not None:
@@ -121,7 +125,7 @@ class _Interceptor:
     wide = not self.stack or is_output
     # Not while discovering (nothing is differentiated), nor where variables are stored.
     recompute = resolved.recompute and self.owners is None and not _creates_variables(module)
-    updates = self.policies.attribute_updates(module, resolved, wide_output=is_output)
+    updates = attribute_updates(self.policies, module, resolved, wide_output=is_output)
     self.stack.append(resolved)
     try:
       with attributes_set(module, updates):
@@ -174,9 +178,8 @@ def _check_module(module: Any, caller: str) -> None:
     )
 
 
-def policy_apply(
-  module: nn.Module, policy: ModulePolicies | Policy | str, **options: Any
-) -> Callable[..., Any]:
+@options_on_the_policy
+def policy_apply(module: nn.Module, policy: ModulePolicies | Policy | str) -> Callable[..., Any]:
   """Returns ``module.apply`` running under ``policy``.
 
   * Parameters (the ``"params"`` collection) are cast to the compute dtype of
@@ -199,18 +202,17 @@ def policy_apply(
   with lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) inside the
   model. Forward-mode differentiation (``jax.jvp``) does not go through the
   fp32 softmax, the fp32 output layer or ``grad_reduction_dtype`` (reverse-mode
-  rules); use ``fp32_accumulation=False, fp32_softmax=False`` for it.
+  rules); use ``ModulePolicies(policy, fp32_accumulation=False,
+  fp32_softmax=False)`` for it.
 
   Args:
     module: an unbound linen module, written with default dtypes (a module
       built with another ``dtype=`` than the policy gives it keeps that dtype
       and is named in an :class:`~jmp_lite.flax.ExplicitDtypeWarning`, once
-      per trace; see ``explicit_dtypes``).
+      per trace; see ``explicit_dtypes`` of :class:`~jmp_lite.flax.ModulePolicies`).
     policy: a :class:`~jmp_lite.flax.ModulePolicies` (the policy with its
-      overrides and options), or a :class:`~jmp_lite.Policy` or policy string.
-    **options: keywords of :class:`~jmp_lite.flax.ModulePolicies`
-      (``overrides=``...), to build one from a ``Policy``; beside a
-      ``ModulePolicies`` they must agree with it.
+      overrides and options), or a :class:`~jmp_lite.Policy` or policy string
+      (``ModulePolicies(policy)``: the default overrides and options).
 
   Returns:
     A function taking exactly ``module.apply``'s arguments (``variables,
@@ -219,9 +221,8 @@ def policy_apply(
 
   Raises:
     TypeError: if ``module`` is not an unbound linen module, ``policy`` is not
-      a policy, or an option is unknown.
-    ValueError: for an option that conflicts with a ``ModulePolicies``, and
-      as :class:`~jmp_lite.flax.ModulePolicies` for bad options.
+      a policy, or an option keyword (``overrides=``...) is passed: options
+      are set on the ``ModulePolicies``.
 
   Example::
 
@@ -243,12 +244,67 @@ def policy_apply(
   'float32'
   """
   _check_module(module, "policy_apply")
-  return _make_apply(module, as_module_policies(policy, options, "policy_apply"))
+  return _make_apply(module, as_module_policies(policy, "policy_apply"))
+
+
+def _discover(
+  policies: ModulePolicies, run: Callable[..., Any], variables: Mapping[str, Any]
+) -> tuple[dict[tuple, np.dtype], frozenset[CallKey]]:
+  """Traces ``run(variables)`` abstractly: which module owns each parameter, and the calls
+  that compute the model's output.
+
+  Returns:
+    The compute dtype each module (by scope path) reads its parameters in, and the
+    keys of the calls in the model's output chain.
+  """
+  owners: dict[tuple, np.dtype] = {}
+  discover = _Interceptor(policies, owners)
+  output_calls: frozenset[CallKey] = frozenset()
+
+  def trace(v):
+    nonlocal output_calls
+    run(v)
+    output_calls = output_chain(discover.calls)
+    discover.calls.clear()  # the records hold tracers of this trace only
+
+  with nn.intercept_methods(discover):
+    jax.eval_shape(trace, variables)
+  return owners, output_calls
+
+
+def _cast_params(
+  variables: Mapping[str, Any], owners: Mapping[tuple, np.dtype], policies: ModulePolicies
+) -> Mapping[str, Any]:
+  """``variables`` with each parameter in the compute dtype of the module owning it."""
+
+  def cast_param(path, value):
+    dtype = enclosing_entry(owners, path[:-1])
+    return cast_floating(value, dtype if dtype is not None else policies.policy.compute_dtype)
+
+  cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(variables[_PARAMS], cast_param)}
+  return FrozenDict(cast) if isinstance(variables, FrozenDict) else cast
+
+
+def _restore_params(out: Any, params: Any, param_dtype: Any) -> Any:
+  """The output of a call with mutable ``"params"``: the caller's own parameters (not
+  their compute-dtype copies) and new ones in the param dtype."""
+  result, updated = out
+  if _PARAMS not in updated:
+    return out
+  original = traverse_util.flatten_dict(
+    params.unfreeze() if isinstance(params, FrozenDict) else dict(params)
+  )
+  fixed = _map_params(
+    updated[_PARAMS],
+    lambda path, v: (
+      meta.unbox(original[path]) if path in original else cast_floating(v, param_dtype)
+    ),
+  )
+  updated_params = {**updated, _PARAMS: fixed}
+  return (result, FrozenDict(updated_params) if isinstance(updated, FrozenDict) else updated_params)
 
 
 def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., Any]:
-  param_dtype = policies.policy.param_dtype
-  compute = policies.policy.compute_dtype
   model_ops = rewrites_model_ops(policies)
 
   def apply_fn(variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -264,72 +320,30 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
 
     found: dict[str, ExplicitDtype] = {}
     params = variables.get(_PARAMS)
-    if params is None:  # nothing to cast (e.g. a parameter-free model)
-
-      def call_free(v, args, kwargs):
-        with nn.intercept_methods(_Interceptor(policies, None, found)):
-          return run(v, args, kwargs)
-
-      out = (rewrite(call_free, compute) if model_ops else call_free)(variables, args, kwargs)
-      warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
-      return out
-
-    # Which module owns each parameter: trace abstractly, recording the scope
-    # path and effective compute dtype of every intercepted module call.
     owners: dict[tuple, np.dtype] = {}
-    discover = _Interceptor(policies, owners)
     output_calls: frozenset[CallKey] = frozenset()
-
-    def trace(v):
-      nonlocal output_calls
-      run(v, args, kwargs)
-      output_calls = output_chain(discover.calls)
-      discover.calls.clear()
-
-    with nn.intercept_methods(discover):
-      jax.eval_shape(trace, variables)
-
-    def cast_param(path, value):
-      dtype = enclosing_entry(owners, path[:-1])
-      return cast_floating(value, dtype if dtype is not None else policies.policy.compute_dtype)
-
-    cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(params, cast_param)}
-    if isinstance(variables, FrozenDict):
-      cast = FrozenDict(cast)
+    # Without parameters there is nothing to cast (e.g. a parameter-free model).
+    if params is not None:
+      owners, output_calls = _discover(policies, lambda v: run(v, args, kwargs), variables)
 
     def call(v, args, kwargs):
       with nn.intercept_methods(_Interceptor(policies, None, found, output_calls)):
         return run(v, args, kwargs)
 
-    out = (rewrite(call, compute) if model_ops else call)(cast, args, kwargs)
+    cast = _cast_params(variables, owners, policies) if params is not None else variables
+    out = (rewrite(call, policies.policy.compute_dtype) if model_ops else call)(cast, args, kwargs)
     warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
-
     mutable = kwargs.get("mutable", False)
-    if mutable is not False and isinstance(out, tuple) and len(out) == 2:
-      result, updated = out
-      if _PARAMS in updated:
-        # Keep the caller's parameters (not their compute-dtype copies); new
-        # ones are stored in the param dtype.
-        original = traverse_util.flatten_dict(
-          params.unfreeze() if isinstance(params, FrozenDict) else dict(params)
-        )
-        fixed = _map_params(
-          updated[_PARAMS],
-          lambda path, v: (
-            meta.unbox(original[path]) if path in original else cast_floating(v, param_dtype)
-          ),
-        )
-        updated = {**updated, _PARAMS: fixed}
-        out = (result, FrozenDict(updated) if isinstance(out[1], FrozenDict) else updated)
+    if params is not None and mutable is not False and isinstance(out, tuple) and len(out) == 2:
+      out = _restore_params(out, params, policies.policy.param_dtype)
     return out
 
   apply_fn.policy = policies.policy  # type: ignore[attr-defined]  # read by jl.audit
   return apply_fn
 
 
-def policy_init(
-  module: nn.Module, policy: ModulePolicies | Policy | str, **options: Any
-) -> Callable[..., Any]:
+@options_on_the_policy
+def policy_init(module: nn.Module, policy: ModulePolicies | Policy | str) -> Callable[..., Any]:
   """Returns ``module.init`` running under ``policy``, with params in the param dtype.
 
   Parameters are created by their initializers in the module's own
@@ -343,7 +357,6 @@ def policy_init(
   Args:
     module: an unbound linen module.
     policy: as for :func:`policy_apply`.
-    **options: as for :func:`policy_apply`.
 
   Returns:
     A function taking ``module.init``'s arguments (``rngs, *args,
@@ -353,7 +366,7 @@ def policy_init(
     TypeError, ValueError: as :func:`policy_apply`.
   """
   _check_module(module, "policy_init")
-  policies = as_module_policies(policy, options, "policy_init")
+  policies = as_module_policies(policy, "policy_init")
 
   def init_fn(rngs: Any, *args: Any, **kwargs: Any) -> Any:
     found: dict[str, ExplicitDtype] = {}

@@ -29,7 +29,10 @@ Variables, :func:`flax.nnx.recursive_map`) in which
   softmax, set as attributes on the copies.
 
 The view is cheap (no arrays are copied but the cast parameters) and meant to
-be rebuilt inside each traced step; it holds no global state. Build it at the
+be rebuilt inside each traced step; it holds no global state: what its
+wrappers share while it runs (the numbering of the calls inside a call of its
+root, the layers found to compute its output) is one plain Python object,
+static in NNX's graph, so that the copies NNX makes of the view share it too. Build it at the
 trace level of the model (inside the function ``nnx.jit``/``nnx.grad``
 transforms) and call it anywhere below, ``jax.vmap``/``jax.lax.scan`` bodies
 included: NNX does not let an inner trace split a model from an outer one.
@@ -37,10 +40,10 @@ included: NNX does not let an inner trace split a model from an outer one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import weakref
-from collections.abc import Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +52,6 @@ from flax import nnx
 from flax.nnx.graph import is_graph_node
 
 from jmp_lite._autocast import rewrite
-from jmp_lite._context import Ambient
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._policy_scope import policy_scope
 from jmp_lite._tree_util import is_array, split_leaves
@@ -69,25 +71,64 @@ from jmp_lite.flax._module_call import (
 )
 from jmp_lite.flax._module_policy import (
   ModulePolicies,
-  ModulePrecision,
   as_module_policies,
-  explicit_dtype,
+  options_on_the_policy,
   rewrites_model_ops,
+)
+from jmp_lite.flax._resolved_precision import (
+  ResolvedPrecision,
+  attribute_updates,
+  explicit_dtype,
+  resolve,
 )
 
 M = TypeVar("M", bound=nnx.Module)
 _F32 = np.dtype(jnp.float32)
 
-# While a view's output chain is being discovered: the list receiving a CallRecord of
-# every wrapped call, in exit order.
-_DISCOVERY: Ambient[list[CallRecord]] = Ambient("jmp_lite_policy_view_discovery")
 
-# While a view's root is called: the numbering of the calls inside that call, which names
-# the calls of its output chain.
-_CALLS: Ambient[CallCounter] = Ambient("jmp_lite_policy_view_calls")
+class _WideCalls(NamedTuple):
+  """The calls of one module that compute a view's output, and how they run."""
 
-# Views whose output chain is not discovered yet (until their first call).
-_UNDISCOVERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+  calls: frozenset[CallKey]
+  output_dtype: np.dtype  # the policy's output dtype
+  attributes: tuple[tuple[str, Any], ...]  # the module's kernels returning it
+
+
+_NOT_WIDE = _WideCalls(frozenset(), _F32, ())
+
+
+class _ViewCalls:
+  """What the wrappers of one view share while it runs.
+
+  A plain object, so an attribute of every wrapper that NNX keeps as static:
+  the copies NNX makes of the view (``nnx.split``/``merge``, its transforms)
+  share it, and updating it writes into no NNX object.
+
+  Attributes:
+    counter: the numbering of the calls inside the call of the view's root in
+      progress, which names the calls of its output chain; ``None`` outside one
+      (a call such as ``view.embed.attend(x)`` made from outside is in no chain).
+    records: while the output chain is being found, the list receiving a
+      :class:`CallRecord` of every wrapped call, in exit order.
+    pending: until the view's first call, what finding the chain needs: the
+      policies and ``{path: (module, its ResolvedPrecision)}``.
+    wide: once found, the calls in the output chain by module path.
+  """
+
+  def __init__(self) -> None:
+    self.counter: CallCounter | None = None
+    self.records: list[CallRecord] | None = None
+    self.pending: tuple[ModulePolicies, dict[tuple, tuple[Any, ResolvedPrecision]]] | None = None
+    self.wide: Mapping[tuple, _WideCalls] = {}
+
+  @contextlib.contextmanager
+  def numbering(self) -> Iterator[None]:
+    """Numbers the calls inside the ``with`` block (one call of the view's root)."""
+    outer, self.counter = self.counter, CallCounter()
+    try:
+      yield
+    finally:
+      self.counter = outer
 
 
 class PolicyModule(nnx.Module):
@@ -132,18 +173,15 @@ class PolicyModule(nnx.Module):
     self._path = tuple(path)
     self._policy = policy
     self._model_ops = bool(model_ops)
-    # The calls in the view's output chain, the dtype they return and the attributes
-    # their module runs with (the fp32 output kernels); set on the first call.
-    self._wide_calls: frozenset[CallKey] = frozenset()
-    self._wide_output_dtype = self._output_dtype
-    self._wide_attributes: tuple[tuple[str, Any], ...] = ()
+    # policy_view gives every wrapper of a view the same one.
+    self._calls = _ViewCalls()
 
   def _cast_call(self, method: str, fn, *args, **kwargs):
     if self._path:
       return self._numbered_call(method, fn, args, kwargs)
-    if self._model_ops and _DISCOVERY.current() is None:
+    if self._model_ops and self._calls.records is None:
       return self._rewritten_call(method, args, kwargs)
-    with _CALLS.scope(CallCounter()), policy_scope(self._policy):  # number the calls inside
+    with self._calls.numbering(), policy_scope(self._policy):
       return self._numbered_call(method, fn, args, kwargs)
 
   def _rewritten_call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -165,7 +203,7 @@ class PolicyModule(nnx.Module):
         full[i] = x
       a, k = jax.tree_util.tree_unflatten(treedef, full)
       fn = root.module if method == "__call__" else getattr(root.module, method)
-      with _CALLS.scope(CallCounter()), policy_scope(root._policy):
+      with root._calls.numbering(), policy_scope(root._policy):
         out = root._numbered_call(method, fn, a, k)
       return out, nnx.state((root, nodes))
 
@@ -182,19 +220,19 @@ class PolicyModule(nnx.Module):
     return out
 
   def _numbered_call(self, method: str, fn, args: tuple, kwargs: dict) -> Any:
-    counter = _CALLS.current()
-    # A call outside a call of the view's root (``view.embed.attend(x)``) is in no chain.
-    call = counter.key(self._path, method) if counter is not None else None
-    wide = call in self._wide_calls
-    with attributes_set(self.module, dict(self._wide_attributes) if wide else {}):
+    calls = self._calls
+    call = calls.counter.key(self._path, method) if calls.counter is not None else None
+    wide = calls.wide.get(self._path, _NOT_WIDE)
+    in_chain = call in wide.calls
+    with attributes_set(self.module, dict(wide.attributes) if in_chain else {}):
       return cast_call(
         fn,
         args,
         kwargs,
         self._compute_dtype,
-        self._wide_output_dtype if wide else self._output_dtype,
+        wide.output_dtype if in_chain else self._output_dtype,
         recompute=self._recompute,
-        record=_DISCOVERY.current(),
+        record=calls.records,
         call=call,
       )
 
@@ -208,28 +246,23 @@ class PolicyModule(nnx.Module):
     Returns:
       The module's result, its floating leaves in this module's output dtype.
     """
-    pending = _UNDISCOVERED.pop(self, None)
-    if pending is not None and _DISCOVERY.current() is None:
-      policies, resolved, wrappers = pending
-      self._widen_output_layers(policies, resolved, wrappers, args, kwargs)
+    if not self._path and self._calls.pending is not None:
+      self._widen_output_layers(args, kwargs)
     return self._cast_call("__call__", self.module, *args, **kwargs)
 
-  def _widen_output_layers(
-    self,
-    policies: ModulePolicies,
-    resolved: Mapping[tuple, ModulePrecision],
-    wrappers: Mapping[tuple, PolicyModule],
-    args: tuple,
-    kwargs: dict,
-  ) -> None:
+  def _widen_output_layers(self, args: tuple, kwargs: dict) -> None:
     """Lets the layers that compute the view's output produce the output dtype.
 
-    Once, on the first call: an abstract trace (``nnx.eval_shape``, on a copy
-    of the view) finds the chain of calls whose output is the view's output
-    by identity (as in :func:`~jmp_lite.flax.policy_apply`); in those calls
-    the modules' kernels then return the policy's output dtype (fp32 logits)
-    instead of a rounded one.
+    Once, on the root's first call: an abstract trace (``nnx.eval_shape``, on
+    a copy of the view) finds the chain of calls whose output is the view's
+    output by identity (as in :func:`~jmp_lite.flax.policy_apply`); in those
+    calls the modules' kernels then return the policy's output dtype (fp32
+    logits) instead of a rounded one. Only static values are kept (the first
+    call may be inside a transform below the trace the view was built at).
     """
+    calls = self._calls
+    assert calls.pending is not None
+    (policies, modules), calls.pending = calls.pending, None
     # Arrays and NNX objects (Rngs) are traced; other arguments (a train flag,
     # a mode string) stay what they are.
     traced, rebuild = split_leaves(
@@ -240,20 +273,20 @@ class PolicyModule(nnx.Module):
       a, k = rebuild(values)
       return view(*a, **k)
 
-    calls: list[CallRecord] = []
-    with _DISCOVERY.scope(calls):
+    records: list[CallRecord] = []
+    calls.records = records
+    try:
       nnx.eval_shape(call, self, traced)
-    chain = output_chain(calls)
+    finally:
+      calls.records = None
+    chain = output_chain(records)
+    wide = {}
     for path in {key.path for key in chain}:
-      wrapper, r = wrappers[path], resolved[path]
-      updates = policies.attribute_updates(wrapper.module, r, wide_output=True)
-      # Static attributes of the view's own objects. The first call may be
-      # inside a transform (vmap, scan) below the trace the view was built at,
-      # where NNX refuses setattr; nothing traced is stored.
-      wide = frozenset(key for key in chain if key.path == path)
-      object.__setattr__(wrapper, "_wide_calls", wide)
-      object.__setattr__(wrapper, "_wide_output_dtype", np.dtype(r.root_output_dtype))
-      object.__setattr__(wrapper, "_wide_attributes", tuple(updates.items()))
+      module, r = modules[path]
+      updates = attribute_updates(policies, module, r, wide_output=True)
+      in_chain = frozenset(key for key in chain if key.path == path)
+      wide[path] = _WideCalls(in_chain, np.dtype(r.root_output_dtype), tuple(updates.items()))
+    calls.wide = wide
 
   def __getattr__(self, name: str) -> Any:
     # Only reached for names PolicyModule itself lacks. NNX reads private
@@ -272,7 +305,7 @@ def _same_leaves(a: Any, b: Any) -> bool:
   return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, ModulePrecision]:
+def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, ResolvedPrecision]:
   """The precision of every module of ``model``, by path, parents before children."""
   modules = {
     tuple(path): module
@@ -280,15 +313,16 @@ def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple,
     # Containers are transparent: a module in an nnx.List belongs to the list's holder.
     if not isinstance(module, (nnx.List, nnx.Dict))
   }
-  resolved: dict[tuple, ModulePrecision] = {}
+  resolved: dict[tuple, ResolvedPrecision] = {}
   for path in sorted(modules, key=len):
     parent = enclosing_entry(resolved, path[:-1]) if path else None
     module = modules[path]
-    resolved[path] = policies.resolve(type(module), parent, explicit_dtype(module))
+    resolved[path] = resolve(policies, type(module), parent, explicit_dtype(module))
   return resolved
 
 
-def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any) -> M:
+@options_on_the_policy
+def policy_view(model: M, policy: ModulePolicies | Policy | str) -> M:
   """Returns a view of ``model`` that runs under ``policy`` (``model`` is untouched).
 
   Calling the view (``policy_view(model, policy)(x)``) casts ``x`` to the
@@ -301,8 +335,8 @@ def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any)
   Works under ``nnx.jit``/``jax.jit``, ``nnx.grad``/``jax.grad``, ``vmap`` and
   ``scan``, and with lifted transforms (``nnx.scan``, ``nnx.remat``,
   ``nnx.vmap``) inside the model. Forward-mode differentiation needs
-  ``fp32_accumulation=False, fp32_softmax=False`` (the fp32 softmax and the
-  fp32 output layer have reverse-mode rules only).
+  ``ModulePolicies(policy, fp32_accumulation=False, fp32_softmax=False)``
+  (the fp32 softmax and the fp32 output layer have reverse-mode rules only).
 
   On its first call the view traces the model once more, abstractly, to find
   the layers that compute its output (as :func:`~jmp_lite.flax.policy_apply`
@@ -315,10 +349,8 @@ def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any)
       is built; see ``explicit_dtypes`` of
       :class:`~jmp_lite.flax.ModulePolicies`).
     policy: a :class:`~jmp_lite.flax.ModulePolicies` (the policy with its
-      overrides and options), or a :class:`~jmp_lite.Policy` or policy string.
-    **options: keywords of :class:`~jmp_lite.flax.ModulePolicies`
-      (``overrides=``...), to build one from a ``Policy``; beside a
-      ``ModulePolicies`` they must agree with it.
+      overrides and options), or a :class:`~jmp_lite.Policy` or policy string
+      (``ModulePolicies(policy)``: the default overrides and options).
 
   Returns:
     A :class:`PolicyModule` wrapping the low-precision copy of ``model``;
@@ -327,9 +359,8 @@ def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any)
   Raises:
     TypeError: if ``model`` is not an NNX module (or a linen one: use
       :func:`~jmp_lite.flax.policy_apply`), ``policy`` is not a policy, or an
-      option is unknown.
-    ValueError: for an option that conflicts with a ``ModulePolicies``, and
-      as :class:`~jmp_lite.flax.ModulePolicies` for bad options.
+      option keyword (``overrides=``...) is passed: options are set on the
+      ``ModulePolicies``.
 
   >>> from flax import nnx
   >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -344,7 +375,7 @@ def policy_view(model: M, policy: ModulePolicies | Policy | str, **options: Any)
       f"policy_view expects a flax.nnx Module, got {model!r} of type {type(model).__name__}"
       " (for linen models use jmp_lite.flax.policy_apply)."
     )
-  policies = as_module_policies(policy, options, "policy_view")
+  policies = as_module_policies(policy, "policy_view")
   view, found = _view(model, policies)
   # Once per view, i.e. once per trace of the step that builds it.
   warn_explicit_dtypes(policies, found, "policy_view", stacklevel=2)
@@ -374,26 +405,29 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict[str, E
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   view = nnx.merge(graphdef, nnx.map_state(cast_param, params), rest, copy=False)
 
-  wrappers: dict[tuple, PolicyModule] = {}
+  calls = _ViewCalls()  # shared by all the wrappers of this view
+  modules: dict[tuple, tuple[Any, ResolvedPrecision]] = {}
 
   def wrap(path: tuple, node: Any) -> Any:
     if tuple(path) in resolved and not isinstance(node, PolicyModule):
       r = resolved[tuple(path)]
-      for name, value in policies.attribute_updates(node, r).items():
+      for name, value in attribute_updates(policies, node, r).items():
         setattr(node, name, value)  # node belongs to the view, not to the model
       output = r.root_output_dtype if not path else r.output_dtype
       root_policy = None if path else policies.policy
-      wrappers[tuple(path)] = PolicyModule(
+      wrapper = PolicyModule(
         node, r.compute_dtype, output, r.recompute, path, root_policy,
         model_ops=not path and rewrites_model_ops(policies),
       )  # fmt: skip
-      return wrappers[tuple(path)]
+      wrapper._calls = calls
+      modules[tuple(path)] = (node, r)
+      return wrapper
     return node
 
   try:
     root = nnx.recursive_map(wrap, view, graph=True)
     if isinstance(root, PolicyModule) and np.dtype(policies.policy.output_dtype) == _F32:
-      _UNDISCOVERED[root] = (policies, resolved, wrappers)
+      calls.pending = (policies, modules)
     return root, found
   except ValueError as e:
     if "does not support mutation" not in str(e):

@@ -26,7 +26,7 @@ parameters and the inner optimizer state unchanged and lowers the scale.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -37,7 +37,6 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from jmp_lite import _dtypes as dtypes
 from jmp_lite._loss_scale import LossScale, NoOpLossScale
 from jmp_lite._policy import Policy
 from jmp_lite._transform import (
@@ -47,7 +46,7 @@ from jmp_lite._transform import (
   scaled_value_and_grad,
 )
 from jmp_lite.flax._linen import policy_apply
-from jmp_lite.flax._module_policy import ModulePolicies, ModulePolicy, as_module_policies
+from jmp_lite.flax._module_policy import ModulePolicies, as_module_policies
 from jmp_lite.flax._state import has_loss_scaling, mean_over, with_loss_scaling
 
 
@@ -76,7 +75,6 @@ class TrainState(train_state.TrainState):
     tx: optax.GradientTransformation,
     policy: ModulePolicies | Policy | str | None = None,
     loss_scale: LossScale | None = None,
-    overrides: Mapping[type, ModulePolicy | dtypes.DTypeLike | None] | None = None,
     axis_name: Any = None,
     **kwargs: Any,
   ) -> TrainState:
@@ -90,15 +88,13 @@ class TrainState(train_state.TrainState):
       tx: the optimizer, wrapped in :func:`jmp_lite.loss_scaling` with
         ``loss_scale`` (pass it unwrapped); or one that applies
         ``jl.loss_scaling`` itself, with ``loss_scale=None``.
-      policy: the precision policy: a :class:`~jmp_lite.flax.ModulePolicies`,
-        or a :class:`~jmp_lite.Policy` or policy string.
+      policy: the precision policy: a :class:`~jmp_lite.flax.ModulePolicies`
+        (with its overrides and options), or a :class:`~jmp_lite.Policy` or
+        policy string.
       loss_scale: the initial loss scale, e.g. ``jl.DynamicLossScale(2.0 ** 15)``
         for fp16. ``None`` is ``jl.NoOpLossScale()`` (no scaling, which bf16
         needs; non-finite steps are still skipped and counted), unless ``tx``
         applies loss scaling itself: it is then used as it is.
-      overrides: per-module-class overrides for a ``Policy``, see
-        :class:`~jmp_lite.flax.ModulePolicies` (beside a ``ModulePolicies``
-        they must agree with its own).
       axis_name: under ``pmap``/``shard_map``, the data-parallel axis:
         :meth:`value_and_grad` averages the gradients over its devices and
         they agree on skipping a step (see :func:`jmp_lite.loss_scaling`), so
@@ -111,15 +107,13 @@ class TrainState(train_state.TrainState):
 
     Raises:
       TypeError: if ``policy`` is given but ``apply_fn`` is not ``model.apply``
-        of a linen module; if ``overrides`` is given without ``policy``.
-      ValueError: for ``overrides`` that conflict with a ``ModulePolicies``;
-        for a ``loss_scale`` with a ``tx`` that already applies loss scaling
-        (the gradients would be unscaled twice).
+        of a linen module.
+      ValueError: for a ``loss_scale`` with a ``tx`` that already applies loss
+        scaling (the gradients would be unscaled twice).
     """
     base_policy = None
     if policy is not None:
-      options = {} if overrides is None else {"overrides": overrides}
-      policies = as_module_policies(policy, options, "TrainState.create")
+      policies = as_module_policies(policy, "TrainState.create")
       module = getattr(apply_fn, "__self__", None)
       if not (
         isinstance(module, nn.Module) and getattr(apply_fn, "__func__", None) is nn.Module.apply
@@ -131,8 +125,6 @@ class TrainState(train_state.TrainState):
       apply_fn = policy_apply(module, policies)
       base_policy = policies.policy
       params = base_policy.cast_to_param(params)
-    elif overrides is not None:
-      raise TypeError("overrides only apply together with policy=...; got policy=None.")
     tx = with_loss_scaling(
       tx, loss_scale, params, axis_name=axis_name, caller="jl.flax.TrainState.create"
     )

@@ -714,7 +714,7 @@ def _lm_steps(params, toks):
   """Loss and gradients: the policy with fp32 gradient reduction, without it, plain fp32 Flax."""
   model = LinenLM()
   applies = (
-    jlf.policy_apply(model, POLICY, grad_reduction_dtype=F32),
+    jlf.policy_apply(model, jlf.ModulePolicies(POLICY, grad_reduction_dtype=F32)),
     jlf.policy_apply(model, POLICY),
     model.apply,
   )

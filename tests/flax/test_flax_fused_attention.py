@@ -98,11 +98,13 @@ def test_in_a_flax_module_under_a_policy():
   model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
   x = jax.random.normal(jax.random.key(0), (2, 8, 16))
   variables = jax.jit(model.init)(jax.random.key(1), x)
-  fused = jlf.ModulePolicy(attributes={"attention_fn": jlf.fused_dot_product_attention})
+  fused = jlf.ModuleOverride(attributes={"attention_fn": jlf.fused_dot_product_attention})
   policy = "params=float32,compute=bfloat16,output=float32"
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jlf.FusedAttentionUnavailableWarning)
-    apply = jlf.policy_apply(model, policy, overrides={nn.MultiHeadDotProductAttention: fused})
+    apply = jlf.policy_apply(
+      model, jlf.ModulePolicies(policy, {nn.MultiHeadDotProductAttention: fused})
+    )
     out = jax.jit(apply)(variables, x)
   assert out.dtype == jnp.float32
   assert jnp.array_equal(out, jax.jit(jlf.policy_apply(model, policy))(variables, x))

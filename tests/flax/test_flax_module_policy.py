@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -13,7 +14,8 @@ from jax import lax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
-from jmp_lite.flax._module_policy import as_module_policies, explicit_dtype
+from jmp_lite.flax._module_policy import as_module_policies
+from jmp_lite.flax._resolved_precision import attribute_updates, explicit_dtype, resolve
 
 POLICY = "p=f32,c=bf16,o=f32"
 
@@ -22,80 +24,85 @@ class MyNorm(nn.LayerNorm):
   pass
 
 
-def test_module_policy_parses_and_validates():
-  mp = jlf.ModulePolicy(compute_dtype="f32", output_dtype=jnp.bfloat16, attributes={"x": 1})
+def test_module_override_parses_and_validates():
+  mp = jlf.ModuleOverride(compute_dtype="f32", output_dtype=jnp.bfloat16, attributes={"x": 1})
   assert (mp.compute_dtype, mp.output_dtype) == (F32, BF16)
-  assert mp == jlf.ModulePolicy(F32, "bf16", {"x": 1}) and hash(mp) == hash(
-    jlf.ModulePolicy(F32, "bf16", {"x": 1})
+  assert mp == jlf.ModuleOverride(F32, "bf16", {"x": 1}) and hash(mp) == hash(
+    jlf.ModuleOverride(F32, "bf16", {"x": 1})
   )
-  assert mp != jlf.ModulePolicy(F32, "bf16", {"x": 2})
+  assert mp != jlf.ModuleOverride(F32, "bf16", {"x": 2})
   with pytest.raises(TypeError):
     mp.attributes["y"] = 2  # read-only
+  with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'recompute'"):
+    mp.recompute = True
   with pytest.raises(ValueError, match="Unknown dtype name 'f33'"):
-    jlf.ModulePolicy(compute_dtype="f33")
+    jlf.ModuleOverride(compute_dtype="f33")
   with pytest.raises(ValueError, match="fp8"):
-    jlf.ModulePolicy(compute_dtype="e4m3")
+    jlf.ModuleOverride(compute_dtype="e4m3")
   with pytest.raises(TypeError, match="not a floating-point"):
-    jlf.ModulePolicy(output_dtype="int8")
+    jlf.ModuleOverride(output_dtype="int8")
   with pytest.raises(TypeError, match="mapping"):
-    jlf.ModulePolicy(attributes=[("x", 1)])
+    jlf.ModuleOverride(attributes=[("x", 1)])
   with pytest.raises(TypeError, match="identifiers"):
-    jlf.ModulePolicy(attributes={"not valid": 1})
+    jlf.ModuleOverride(attributes={"not valid": 1})
   with pytest.raises(TypeError, match="recompute must be a bool"):
-    jlf.ModulePolicy(recompute="yes")
+    jlf.ModuleOverride(recompute="yes")
 
 
 def test_defaults_keep_normalization_and_embeddings_in_fp32():
   policies = jlf.ModulePolicies(POLICY)
   for cls in (nn.LayerNorm, nn.BatchNorm, nn.GroupNorm, nn.RMSNorm, nnx.LayerNorm, nnx.BatchNorm,
               nnx.GroupNorm, nnx.RMSNorm, nn.Embed, nnx.Embed):  # fmt: skip
-    resolved = policies.resolve(cls)
+    resolved = resolve(policies, cls)
     assert resolved.compute_dtype == F32, cls
     # Islands hand their result back in the compute dtype.
     assert resolved.output_dtype == BF16 and resolved.root_output_dtype == F32
-  assert policies.resolve(nn.LayerNorm).recompute and policies.resolve(nnx.RMSNorm).recompute
+  assert resolve(policies, nn.LayerNorm).recompute and resolve(policies, nnx.RMSNorm).recompute
   # BatchNorm updates running statistics: it cannot be recomputed.
-  assert not policies.resolve(nn.BatchNorm).recompute
-  assert not policies.resolve(nnx.BatchNorm).recompute
-  dense = policies.resolve(nn.Dense)
+  assert not resolve(policies, nn.BatchNorm).recompute
+  assert not resolve(policies, nnx.BatchNorm).recompute
+  dense = resolve(policies, nn.Dense)
   assert (dense.compute_dtype, dense.output_dtype, dense.root_output_dtype) == (BF16, BF16, F32)
 
 
 def test_overrides_merge_replace_and_remove_defaults():
   policies = jlf.ModulePolicies(
     POLICY,
-    {nn.Dense: "f32", nn.LayerNorm: None, nn.Conv: jlf.ModulePolicy(output_dtype="f16")},
+    {nn.Dense: "f32", nn.LayerNorm: None, nn.Conv: jlf.ModuleOverride(output_dtype="f16")},
   )
-  assert policies.resolve(nn.Dense).compute_dtype == F32
-  assert policies.resolve(nn.LayerNorm).compute_dtype == BF16  # default removed
-  assert policies.resolve(nn.BatchNorm).compute_dtype == F32  # other defaults kept
-  conv = policies.resolve(nn.Conv)
+  assert resolve(policies, nn.Dense).compute_dtype == F32
+  assert resolve(policies, nn.LayerNorm).compute_dtype == BF16  # default removed
+  assert resolve(policies, nn.BatchNorm).compute_dtype == F32  # other defaults kept
+  conv = resolve(policies, nn.Conv)
   assert (conv.compute_dtype, conv.output_dtype, conv.root_output_dtype) == (BF16, F16, F16)
   assert policies.overrides[nn.LayerNorm] is None
   bare = jlf.ModulePolicies(POLICY, use_default_overrides=False)
-  assert bare.resolve(nn.LayerNorm).compute_dtype == BF16
+  assert resolve(bare, nn.LayerNorm).compute_dtype == BF16
   assert dict(bare.overrides) == {}
+  # None: no overrides given (the defaults apply).
+  assert jlf.ModulePolicies(POLICY, None) == jlf.ModulePolicies(POLICY)
+  assert resolve(jlf.ModulePolicies(POLICY, None), nn.LayerNorm).compute_dtype == F32
 
 
 def test_most_specific_class_wins():
   policies = jlf.ModulePolicies(POLICY)
-  assert policies.resolve(MyNorm).compute_dtype == F32  # inherits LayerNorm's override
+  assert resolve(policies, MyNorm).compute_dtype == F32  # inherits LayerNorm's override
   policies = jlf.ModulePolicies(POLICY, {MyNorm: "f16"})
-  assert policies.resolve(MyNorm).compute_dtype == F16
-  assert policies.resolve(nn.LayerNorm).compute_dtype == F32
+  assert resolve(policies, MyNorm).compute_dtype == F16
+  assert resolve(policies, nn.LayerNorm).compute_dtype == F32
   # None: no override for the subclass, although its base has one.
-  assert jlf.ModulePolicies(POLICY, {MyNorm: None}).resolve(MyNorm).compute_dtype == BF16
+  assert resolve(jlf.ModulePolicies(POLICY, {MyNorm: None}), MyNorm).compute_dtype == BF16
 
 
 def test_modules_without_override_inherit_the_enclosing_one():
   policies = jlf.ModulePolicies(POLICY, {nn.Sequential: "f32"})
-  block = policies.resolve(nn.Sequential)
+  block = resolve(policies, nn.Sequential)
   assert (block.compute_dtype, block.output_dtype) == (F32, BF16)
-  dense = policies.resolve(nn.Dense, block)
+  dense = resolve(policies, nn.Dense, block)
   assert (dense.compute_dtype, dense.output_dtype, dense.hooks) == (F32, F32, ())
-  norm = policies.resolve(nn.LayerNorm, block)  # an fp32 island inside an fp32 block
+  norm = resolve(policies, nn.LayerNorm, block)  # an fp32 island inside an fp32 block
   assert (norm.compute_dtype, norm.output_dtype, norm.recompute) == (F32, F32, False)
-  half = policies.resolve(nn.Dense, policies.resolve(nn.Dense))
+  half = resolve(policies, nn.Dense, resolve(policies, nn.Dense))
   assert (half.compute_dtype, half.output_dtype) == (BF16, BF16)
   assert [(h.cls, h.attribute, h.replacement) for h in half.hooks] == [
     (nn.Dense, "dot_general", jlf.dot_general)
@@ -104,8 +111,8 @@ def test_modules_without_override_inherit_the_enclosing_one():
 
 def test_recompute_only_for_islands():
   # Under an fp32 policy a LayerNorm is not an island: nothing to save by recomputing.
-  assert not jlf.ModulePolicies("f32").resolve(nn.LayerNorm).recompute
-  assert jlf.ModulePolicies(POLICY).resolve(nn.LayerNorm).recompute
+  assert not resolve(jlf.ModulePolicies("f32"), nn.LayerNorm).recompute
+  assert resolve(jlf.ModulePolicies(POLICY), nn.LayerNorm).recompute
 
 
 @pytest.mark.parametrize(
@@ -113,7 +120,7 @@ def test_recompute_only_for_islands():
   [
     ({"Dense": "f32"}, TypeError, "module classes, got 'Dense'"),
     ({int: "f32"}, TypeError, "module classes"),
-    ({nn.Dense: jl.get_policy("f32")}, TypeError, "is a Policy; use ModulePolicy"),
+    ({nn.Dense: jl.get_policy("f32")}, TypeError, "is a Policy; use ModuleOverride"),
     ({nn.Dense: "float"}, ValueError, "override for Dense: Unknown dtype name"),
     ({nn.Dense: 3}, TypeError, "override for Dense"),
     ([(nn.Dense, "f32")], TypeError, "must be a mapping"),
@@ -133,161 +140,214 @@ def test_fp8_compute_policy_is_rejected():
 
 def test_hooks_replace_only_flax_defaults_and_only_in_16_bits():
   policies = jlf.ModulePolicies(POLICY)
-  assert policies.attribute_updates(nn.Dense(3)) == {"dot_general": jlf.dot_general}
+  assert attribute_updates(policies, nn.Dense(3)) == {"dot_general": jlf.dot_general}
   custom = lambda *a, **k: lax.dot_general(*a, **k)
-  assert policies.attribute_updates(nn.Dense(3, dot_general=custom)) == {}
-  assert policies.attribute_updates(nn.Dense(3, dot_general_cls=lambda: custom)) == {}
-  assert policies.attribute_updates(nn.Conv(3, (3, 3))) == {
+  assert attribute_updates(policies, nn.Dense(3, dot_general=custom)) == {}
+  assert attribute_updates(policies, nn.Dense(3, dot_general_cls=lambda: custom)) == {}
+  assert attribute_updates(policies, nn.Conv(3, (3, 3))) == {
     "conv_general_dilated": jlf.conv_general_dilated
   }
   mha = nn.MultiHeadDotProductAttention(num_heads=2)
-  assert policies.attribute_updates(mha) == {"attention_fn": jlf.dot_product_attention}
+  assert attribute_updates(policies, mha) == {"attention_fn": jlf.dot_product_attention}
   linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-  assert policies.attribute_updates(linear) == {"dot_general": jlf.dot_general}
+  assert attribute_updates(policies, linear) == {"dot_general": jlf.dot_general}
   einsum = nnx.Einsum("ab,bc->ac", (2, 3), rngs=nnx.Rngs(0))
-  assert policies.attribute_updates(einsum) == {"einsum_op": jlf.einsum}
+  assert attribute_updates(policies, einsum) == {"einsum_op": jlf.einsum}
   # Switched off, or not computing in 16 bits: Flax's kernels stay.
   off = jlf.ModulePolicies(POLICY, fp32_accumulation=False, fp32_softmax=False)
-  assert off.attribute_updates(nn.Dense(3)) == {} and off.attribute_updates(mha) == {}
-  assert jlf.ModulePolicies("f32").attribute_updates(nn.Dense(3)) == {}
-  assert jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}).attribute_updates(nn.Dense(3)) == {}
+  assert attribute_updates(off, nn.Dense(3)) == {} and attribute_updates(off, mha) == {}
+  assert attribute_updates(jlf.ModulePolicies("f32"), nn.Dense(3)) == {}
+  assert attribute_updates(jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}), nn.Dense(3)) == {}
 
 
 def test_user_attributes_beat_hooks_and_must_exist():
   policies = jlf.ModulePolicies(
-    POLICY, {nn.Dense: jlf.ModulePolicy(attributes={"dot_general": lax.dot_general})}
+    POLICY, {nn.Dense: jlf.ModuleOverride(attributes={"dot_general": lax.dot_general})}
   )
-  assert policies.attribute_updates(nn.Dense(3)) == {"dot_general": lax.dot_general}
-  policies = jlf.ModulePolicies(POLICY, {nn.Dense: jlf.ModulePolicy(attributes={"nope": 1})})
+  assert attribute_updates(policies, nn.Dense(3)) == {"dot_general": lax.dot_general}
+  policies = jlf.ModulePolicies(POLICY, {nn.Dense: jlf.ModuleOverride(attributes={"nope": 1})})
   with pytest.raises(AttributeError, match="'nope'"):
-    policies.attribute_updates(nn.Dense(3))
+    attribute_updates(policies, nn.Dense(3))
 
 
 def test_module_policies_are_values():
   a = jlf.ModulePolicies(POLICY, {nn.Dense: "f32"})
-  assert a == jlf.ModulePolicies(jl.get_policy(POLICY), {nn.Dense: F32})
-  assert hash(a) == hash(jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}))
+  # Equal and hashed alike whatever the spelling of the policy and of the override.
+  for same in (
+    jlf.ModulePolicies(jl.get_policy(POLICY), {nn.Dense: F32}),
+    jlf.ModulePolicies(POLICY, {nn.Dense: jlf.FP32}),
+  ):
+    assert a == same and hash(a) == hash(same)
   assert a != jlf.ModulePolicies(POLICY)
-  # The policy, then every class with an entry (the defaults first).
-  text = repr(a)
-  assert text.startswith("ModulePolicies(p=f32,c=bf16,o=f32, overrides=[flax.linen."), text
-  assert text.endswith(", flax.linen.linear.Dense])") and text.count(", ") == 13, text
-  # Options away from their defaults are shown too.
-  bare = jlf.ModulePolicies(POLICY, use_default_overrides=False, fp32_softmax=False)
-  assert repr(bare) == "ModulePolicies(p=f32,c=bf16,o=f32, overrides=[], fp32_softmax=False)"
-  # Equal by what they do: the defaults given by hand are the defaults.
-  assert jlf.ModulePolicies(POLICY, jlf.DEFAULT_OVERRIDES, use_default_overrides=False) == (
-    jlf.ModulePolicies(POLICY)
+  # Override keys are classes, compared by identity: another class of the same name differs.
+  OtherDense = type("Dense", (nn.Dense,), {"__module__": nn.Dense.__module__})
+  assert a != jlf.ModulePolicies(POLICY, {OtherDense: "f32"})
+  # The policy, then the settings away from their defaults.
+  assert repr(a) == (
+    "ModulePolicies(p=f32,c=bf16,o=f32, overrides={Dense: ModuleOverride(compute_dtype="
+    "dtype('float32'), output_dtype=None, attributes={}, recompute=False)})"
   )
-  with pytest.raises(AttributeError, match="ModulePolicies is immutable"):
+  bare = jlf.ModulePolicies(POLICY, use_default_overrides=False, fp32_softmax=False)
+  assert repr(bare) == (
+    "ModulePolicies(p=f32,c=bf16,o=f32, use_default_overrides=False, fp32_softmax=False)"
+  )
+  # Compared by their settings; the defaults given by hand resolve as the defaults do.
+  by_hand = jlf.ModulePolicies(POLICY, jlf.DEFAULT_OVERRIDES, use_default_overrides=False)
+  assert by_hand != jlf.ModulePolicies(POLICY)
+  for cls in jlf.DEFAULT_OVERRIDES:
+    assert by_hand.module_override(cls) == jlf.ModulePolicies(POLICY).module_override(cls)
+    assert resolve(by_hand, cls) == resolve(jlf.ModulePolicies(POLICY), cls)
+
+
+def test_module_policies_is_a_frozen_dataclass():
+  a = jlf.ModulePolicies(POLICY, {nn.Dense: "f32"})
+  bare = jlf.ModulePolicies(POLICY, use_default_overrides=False, fp32_softmax=False)
+  assert [f.name for f in dataclasses.fields(a)] == [
+    "policy", "overrides", "use_default_overrides", "fp32_accumulation", "fp32_softmax",
+    "op_table", "grad_reduction_dtype", "explicit_dtypes",
+  ]  # fmt: skip
+  with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field"):
     a.fp32_softmax = False
-  assert a.fp32_softmax is True
+  with pytest.raises(TypeError, match="does not support item assignment"):
+    a.overrides[nn.Conv] = jlf.FP32
+  assert a.fp32_softmax is True and dict(a.overrides) == {nn.Dense: jlf.FP32}
+  # A setting changed with dataclasses.replace, validated as in the constructor.
+  changed = dataclasses.replace(a, fp32_softmax=False)
+  assert changed == jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}, fp32_softmax=False) != a
+  assert dataclasses.replace(bare, fp32_softmax=True) == jlf.ModulePolicies(
+    POLICY, use_default_overrides=False
+  )
+  with pytest.raises(TypeError, match="fp32_softmax must be a bool, got 'no'"):
+    dataclasses.replace(a, fp32_softmax="no")
 
 
-# Every option but one away from its default.
-OPTIONS = dict(
-  overrides={nn.Dense: "f32"},
-  use_default_overrides=False,
-  fp32_accumulation=True,  # (the default: fp32_accumulation=False refuses grad_reduction_dtype)
-  fp32_softmax=False,
-  grad_reduction_dtype="float32",
-  explicit_dtypes="keep",
-)
+def test_module_policies_are_jit_static():
+  # Equal ModulePolicies are one static argument: the function is traced once for both.
+  traces = []
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def f(policies, x):
+    traces.append(policies)
+    return x.astype(policies.policy.compute_dtype)
+
+  assert f(jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}), jnp.ones(2)).dtype == BF16
+  assert f(jlf.ModulePolicies(jl.get_policy(POLICY), {nn.Dense: F32}), jnp.ones(2)).dtype == BF16
+  assert len(traces) == 1
+  f(jlf.ModulePolicies(POLICY, {nn.Dense: "f16"}), jnp.ones(2))
+  assert len(traces) == 2
 
 
-def test_option_keywords_fold_into_one_module_policies():
-  folded = as_module_policies(POLICY, OPTIONS, "policy_apply")
-  assert folded == jlf.ModulePolicies(POLICY, **OPTIONS)
-  assert dict(folded.overrides) == {nn.Dense: jlf.FP32}
-  assert (folded.fp32_accumulation, folded.fp32_softmax) == (True, False)
-  assert (folded.grad_reduction_dtype, folded.explicit_dtypes) == (F32, "keep")
-  assert as_module_policies(jl.get_policy(POLICY), {}, "f") == jlf.ModulePolicies(POLICY)
-  # A ModulePolicies is used as it is, alone or with keywords that agree with it
-  # (by what they do: float32 spelled otherwise, the default overrides given again).
-  assert as_module_policies(folded, {}, "f") is folded
-  assert as_module_policies(folded, OPTIONS, "f") is folded
-  assert as_module_policies(folded, {"grad_reduction_dtype": jnp.float32}, "f") is folded
-  default = jlf.ModulePolicies(POLICY)
-  same = {"overrides": None, "use_default_overrides": True, "explicit_dtypes": "warn"}
-  assert as_module_policies(default, same, "f") is default
-  assert as_module_policies(default, {"overrides": jlf.DEFAULT_OVERRIDES}, "f") is default
+def test_a_policy_means_module_policies_with_the_defaults():
+  assert as_module_policies(POLICY, "policy_apply") == jlf.ModulePolicies(POLICY)
+  assert as_module_policies(jl.get_policy(POLICY), "f") == jlf.ModulePolicies(POLICY)
+  policies = jlf.ModulePolicies(POLICY, {nn.Dense: "f32"}, fp32_softmax=False)
+  assert as_module_policies(policies, "f") is policies
+  # Through the entry points: the same program for the string and for the ModulePolicies.
+  model, x = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)]), jnp.ones((2, 3))
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  program = lambda policy: str(jax.make_jaxpr(jlf.policy_apply(model, policy))(variables, x))
+  assert program(POLICY) == program(jlf.ModulePolicies(POLICY)) != program(policies)
+
+
+ENTRY_POINTS = {
+  "policy_apply": lambda **kw: jlf.policy_apply(nn.Dense(3), POLICY, **kw),
+  "policy_init": lambda **kw: jlf.policy_init(nn.Dense(3), POLICY, **kw),
+  "policy_view": lambda **kw: jlf.policy_view(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), POLICY, **kw),
+}
+
+
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_entry_points_refuse_option_keywords(entry_point):
+  # Options are set on a ModulePolicies only: a keyword is named, with the object to build.
+  first = "module" if entry_point != "policy_view" else "model"
+  with pytest.raises(TypeError) as error:
+    ENTRY_POINTS[entry_point](overrides={nn.Dense: "f32"}, fp32_softmax=False)
+  assert str(error.value) == (
+    f"{entry_point}() got unexpected keyword argument(s) 'overrides', 'fp32_softmax': it "
+    f"takes ({first}, policy), and options go on the policy: {entry_point}(..., "
+    "jl.flax.ModulePolicies(policy, overrides=..., fp32_softmax=...)). ModulePolicies takes "
+    "overrides, use_default_overrides, fp32_accumulation, fp32_softmax, op_table, "
+    "grad_reduction_dtype, explicit_dtypes."
+  )
+  # A keyword that is no option either: named, with what ModulePolicies takes.
+  with pytest.raises(TypeError) as error:
+    ENTRY_POINTS[entry_point](fp32_softmx=False)
+  assert str(error.value) == (
+    f"{entry_point}() got unexpected keyword argument(s) 'fp32_softmx': it takes ({first}, "
+    "policy), and options go on the policy. ModulePolicies takes overrides, "
+    "use_default_overrides, fp32_accumulation, fp32_softmax, op_table, grad_reduction_dtype, "
+    "explicit_dtypes."
+  )
+
+
+def test_entry_points_keep_their_signature():
+  # The keyword check leaves the documented signature (and the docstring) in place.
+  assert list(inspect.signature(jlf.policy_apply).parameters) == ["module", "policy"]
+  assert list(inspect.signature(jlf.policy_init).parameters) == ["module", "policy"]
+  assert list(inspect.signature(jlf.policy_view).parameters) == ["model", "policy"]
+  assert jlf.policy_apply.__doc__.startswith("Returns ``module.apply`` running under ``policy``")
 
 
 @pytest.mark.parametrize(
-  "options, named",
+  "make, error, match",
   [
-    ({"fp32_softmax": True}, "fp32_softmax=True"),
-    ({"overrides": {nn.Dense: "bf16"}}, "overrides={<class 'flax.linen.linear.Dense'>: 'bf16'}"),
-    ({"overrides": None}, "overrides=None"),
-    ({"use_default_overrides": True}, "use_default_overrides=True"),
-    ({"grad_reduction_dtype": None}, "grad_reduction_dtype=None"),
-    ({"explicit_dtypes": "warn"}, "explicit_dtypes='warn'"),
-    # Only the keywords that conflict are named.
-    ({"fp32_softmax": False, "explicit_dtypes": "policy"}, "explicit_dtypes='policy' conflicts"),
-  ],
-)
-def test_keywords_that_conflict_with_a_module_policies_are_refused(options, named):
-  policies = jlf.ModulePolicies(POLICY, **OPTIONS)
-  with pytest.raises(ValueError) as error:
-    as_module_policies(policies, options, "policy_view")
-  message = str(error.value)
-  assert message.startswith(f"policy_view: {named}"), message
-  assert "conflicts with the ModulePolicies passed as policy (ModulePolicies(" in message
-
-
-@pytest.mark.parametrize(
-  "policy, options, error, match",
-  [
-    (POLICY, {"fp32_softmx": False}, TypeError,
-     r"policy_apply got unexpected keyword argument\(s\) 'fp32_softmx'; its options are "
-     "overrides, use_default_overrides, fp32_accumulation"),
-    (3, {}, TypeError, "policy_apply expects a policy: .* got 3 of type int"),
-    ({"compute": "bf16"}, {}, TypeError, "got {'compute': 'bf16'} of type dict"),
-    (POLICY, {"fp32_softmax": "no"}, TypeError, "fp32_softmax must be a bool, got 'no'"),
-    (POLICY, {"fp32_accumulation": 1}, TypeError, "fp32_accumulation must be a bool, got 1"),
-    (POLICY, {"use_default_overrides": None}, TypeError,
+    (lambda: as_module_policies(3, "policy_apply"), TypeError,
+     "policy_apply expects a policy: .* got 3 of type int"),
+    (lambda: as_module_policies({"compute": "bf16"}, "policy_apply"), TypeError,
+     "got {'compute': 'bf16'} of type dict"),
+    (lambda: jlf.ModulePolicies(3), TypeError,
+     "ModulePolicies expects a jmp_lite.Policy or a policy string, got 3"),
+    (lambda: jlf.ModulePolicies(POLICY, fp32_softmax="no"), TypeError,
+     "fp32_softmax must be a bool, got 'no'"),
+    (lambda: jlf.ModulePolicies(POLICY, fp32_accumulation=1), TypeError,
+     "fp32_accumulation must be a bool, got 1"),
+    (lambda: jlf.ModulePolicies(POLICY, use_default_overrides=None), TypeError,
      "use_default_overrides must be a bool, got None"),
-    (POLICY, {"grad_reduction_dtype": "bf16"}, ValueError,
+    (lambda: jlf.ModulePolicies(POLICY, op_table="yes"), TypeError,
+     "op_table must be a bool, got 'yes'"),
+    (lambda: jlf.ModulePolicies(POLICY, grad_reduction_dtype="bf16"), ValueError,
      "grad_reduction_dtype must be None .* or float32, got 'bf16'"),
+    (lambda: jlf.ModulePolicies(POLICY, fp32_accumulation=False, grad_reduction_dtype="f32"),
+     ValueError, "grad_reduction_dtype needs jmp_lite's kernels"),
   ],
 )  # fmt: skip
-def test_entry_point_arguments_are_validated_in_one_place(policy, options, error, match):
+def test_module_policies_arguments_are_validated(make, error, match):
   with pytest.raises(error, match=match):
-    as_module_policies(policy, options, "policy_apply")
+    make()
 
 
 def test_explicit_module_dtypes_are_kept_or_replaced():
   policies = jlf.ModulePolicies(POLICY)  # explicit_dtypes="warn"
-  dense = policies.resolve(nn.Dense, None, F32)
+  dense = resolve(policies, nn.Dense, None, F32)
   # Kept: an fp32 island (params read unrounded, fp32 in), bf16 handed on, no 16-bit kernels.
   assert (dense.compute_dtype, dense.output_dtype, dense.root_output_dtype) == (F32, BF16, F32)
   assert (dense.policy_dtype, dense.explicit_dtype, dense.hooks) == (BF16, F32, ())
   # Inside it, a module without a dtype inherits fp32; one with fp32 is named too.
-  inner = policies.resolve(nn.Dense, dense)
+  inner = resolve(policies, nn.Dense, dense)
   assert (inner.compute_dtype, inner.policy_dtype, inner.explicit_dtype) == (F32, BF16, None)
-  assert policies.resolve(nn.Dense, dense, F32).explicit_dtype == F32
+  assert resolve(policies, nn.Dense, dense, F32).explicit_dtype == F32
   # No conflict where the module's dtype is the policy's (the LayerNorm override is fp32).
-  assert policies.resolve(nn.LayerNorm, None, F32).explicit_dtype is None
-  assert policies.resolve(nn.Dense, None, BF16).explicit_dtype is None
-  assert jlf.ModulePolicies("f32").resolve(nn.Dense, None, F32).explicit_dtype is None
+  assert resolve(policies, nn.LayerNorm, None, F32).explicit_dtype is None
+  assert resolve(policies, nn.Dense, None, BF16).explicit_dtype is None
+  assert resolve(jlf.ModulePolicies("f32"), nn.Dense, None, F32).explicit_dtype is None
   # A bf16 LayerNorm conflicts with its fp32 override: kept in bf16 (nothing to recompute).
-  norm = policies.resolve(nn.LayerNorm, None, BF16)
+  norm = resolve(policies, nn.LayerNorm, None, BF16)
   assert (norm.compute_dtype, norm.explicit_dtype, norm.recompute) == (BF16, BF16, False)
-  assert "dtype" not in policies.attribute_updates(nn.Dense(3, dtype=jnp.float32))
+  assert "dtype" not in attribute_updates(policies, nn.Dense(3, dtype=jnp.float32))
   # "policy": the policy's compute dtype, set as the module's dtype, with the kernels.
   wins = jlf.ModulePolicies(POLICY, explicit_dtypes="policy")
-  assert wins.resolve(nn.Dense, None, F32)[:2] == (BF16, BF16)
-  assert wins.attribute_updates(nn.Dense(3, dtype=jnp.float32)) == {
+  assert resolve(wins, nn.Dense, None, F32)[:2] == (BF16, BF16)
+  assert attribute_updates(wins, nn.Dense(3, dtype=jnp.float32)) == {
     "dot_general": jlf.dot_general,
     "dtype": BF16,
   }
   linear = nnx.Linear(2, 3, dtype="bfloat16", rngs=nnx.Rngs(0))
-  assert jlf.ModulePolicies("f32", explicit_dtypes="policy").attribute_updates(linear) == {
+  assert attribute_updates(jlf.ModulePolicies("f32", explicit_dtypes="policy"), linear) == {
     "dtype": F32
   }
   # A ModulePolicy that sets dtype decides for its class: no conflict to report.
-  user = jlf.ModulePolicies(POLICY, {nn.Dense: jlf.ModulePolicy(attributes={"dtype": F32})})
-  assert user.resolve(nn.Dense, None, F32).explicit_dtype is None
+  user = jlf.ModulePolicies(POLICY, {nn.Dense: jlf.ModuleOverride(attributes={"dtype": F32})})
+  assert resolve(user, nn.Dense, None, F32).explicit_dtype is None
   assert jlf.ModulePolicies(POLICY) != jlf.ModulePolicies(POLICY, explicit_dtypes="keep")
   with pytest.raises(ValueError, match="explicit_dtypes must be one of 'warn', 'keep', 'policy'"):
     jlf.ModulePolicies(POLICY, explicit_dtypes="error")
