@@ -89,13 +89,26 @@ def test_digits_quick_with_layerwise_scaling(tmp_path):
   assert all(0 <= s < result["steps"] for s in result["skipped"])
 
 
-def test_charlm_quick_with_fp8():
-  out = charlm.main([*QUICK, "--recipe", "fp8"])
-  result = out["result"]
-  assert _decreased(result["train_loss"])
-  assert result["final"]["val_loss"] < math.log(charlm.VOCAB)  # better than uniform
+@pytest.fixture(scope="module")
+def fp8_runs():
+  """The LM's quick preset under fp8 (30 steps) and bf16 (its first step), with the loss over
+  2^20 tokens (replicas = 2^20): under E5M2 with a unit scale every output gradient would
+  flush, and a run that learns from this loss learns from any."""
+  model_config, quick = charlm.PRESETS["quick"]
+  config = dataclasses.replace(quick, replicas=2**20, progress=False)
+  task = charlm.CharLMTask(model_config, seed=config.seed)
+  return {
+    "fp8": common.train(task, common.RECIPES["fp8"], config),
+    "bf16": common.train(task, common.RECIPES["bf16"], dataclasses.replace(config, steps=1)),
+  }
+
+
+def test_charlm_quick_with_fp8(fp8_runs):
+  result = fp8_runs["fp8"]
+  assert _decreased(result.train_loss)
+  assert result.final["val_loss"] < math.log(charlm.VOCAB)  # better than uniform
   # Current scaling (the default) keeps no fp8 state, so there are no scales to report.
-  assert result["fp8_scales"] is None
+  assert result.fp8_scales is None
 
 
 def test_charlm_quick_with_delayed_fp8_adapts_its_scales():
@@ -122,17 +135,10 @@ def test_examples_fp8_recipe_is_the_library_default():
     common.TrainConfig(fp8_scaling="x")
 
 
-def test_examples_fp8_first_step_flushes_no_gradient():
-  # The loss times 2^-20 (replicas = 2^20): under E5M2 with a unit scale every output gradient
-  # would flush. With the default recipe, step 0's parameter gradients have no zeros that
-  # bf16's lack, layer by layer.
-  model_config, quick = charlm.PRESETS["quick"]
-  config = dataclasses.replace(quick, steps=1, replicas=2**20, progress=False)
-  task = charlm.CharLMTask(model_config, seed=config.seed)
-  step0 = {
-    name: common.train(task, common.RECIPES[name], config).grad_stats["0"]
-    for name in ("bf16", "fp8")
-  }
+def test_examples_fp8_first_step_flushes_no_gradient(fp8_runs):
+  # With the default recipe, step 0's parameter gradients have no zeros that bf16's lack,
+  # layer by layer.
+  step0 = {name: run.grad_stats["0"] for name, run in fp8_runs.items()}
   assert set(step0["fp8"]) == set(step0["bf16"])
   zeros = {name: {k: v["zero_fraction"] for k, v in s.items()} for name, s in step0.items()}
   # The embedding's zeros are the rows of characters absent from the batch (about 60%), which
