@@ -554,6 +554,13 @@ def step_compiler_options(fast_compile: bool = False) -> dict[str, Any] | None:
   return options or None
 
 
+def markdown_table(columns: list[tuple[str, Any]], rows: list[dict[str, Any]]) -> str:
+  """A Markdown table: one column per (header, cell function of a row)."""
+  lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows]
+  return "\n".join(lines)
+
+
 def progress(iterable: Iterable, enabled: bool, **kwargs: Any):
   """``iterable`` with a tqdm progress bar on stderr (if ``enabled``)."""
   if not enabled:

@@ -26,7 +26,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from examples import charlm, common, compare, digits
+from examples import charlm, common, compare, digits, low_precision
 
 QUICK = ["--quick", "--no-progress"]
 
@@ -318,15 +318,15 @@ def test_bf16_high_half_is_the_splits_high_half():
 
 
 @pytest.fixture(scope="module")
-def low_precision(tmp_path_factory):
+def low_precision_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("low_precision")
   compare.main([*QUICK, "--recipes", "low-precision-params", "--out", str(out)])
   with open(out / "charlm_compare.json") as f:
     return json.load(f), out
 
 
-def test_low_precision_outputs(low_precision):
-  summary, out = low_precision
+def test_low_precision_outputs(low_precision_run):
+  summary, out = low_precision_run
   steps = summary["train"]["steps"]
   assert list(summary["results"]) == list(LOW_PRECISION)
   assert (out / "charlm_low_precision.png").stat().st_size > 1000
@@ -345,7 +345,7 @@ def test_low_precision_outputs(low_precision):
     relative = r["final"]["val_loss"] / base["val_loss"] - 1  # of values rounded to 6 digits
     assert row["val_loss_rel"] == pytest.approx(relative, abs=1e-5), name
     assert _finite(r["train_loss"]) and r["skipped"] == [], name
-    share = compare.rounded_away_share(r)
+    share = low_precision.rounded_away_share(r)
     if common.get_recipe(name).params_method is None:
       assert share is None and row["rounded_away"] is None, name
       continue
@@ -359,9 +359,9 @@ def test_low_precision_outputs(low_precision):
   assert _decreased(summary["results"]["bf16-nearest"]["train_loss"])
 
 
-def test_split_loses_no_update(low_precision):
+def test_split_loses_no_update(low_precision_run):
   """bf16-split's fp32 values are bit for bit those of fp32 training reading the same view."""
-  summary, _ = low_precision
+  summary, _ = low_precision_run
   results = summary["results"]
   for key in ("train_loss", "val_loss", "val_accuracy"):
     assert results["bf16-split"][key] == results["fp32-master-view"][key], key
