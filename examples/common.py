@@ -537,7 +537,7 @@ class RunResult:
 # The training loop
 
 # XLA's backend optimizations off, for programs that run once or on tiny inputs.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def step_compiler_options(fast_compile: bool = False) -> dict[str, Any] | None:
@@ -548,7 +548,7 @@ def step_compiler_options(fast_compile: bool = False) -> dict[str, Any] | None:
   two cores the copies cost a 16-bit-state step 15-35% (docs/low-precision-params.md, "Step
   time"). Its region analysis proves the reads come first and copies nothing.
   """
-  options = dict(_FAST_COMPILE) if fast_compile else {}
+  options = dict(FAST_COMPILE) if fast_compile else {}
   if jax.default_backend() == "cpu":
     options["xla_cpu_copy_insertion_use_region_analysis"] = True
   return options or None
@@ -688,7 +688,7 @@ def stats_from_python(layers: dict[str, Any]) -> dict[str, jl.diagnostics.Gradie
 
 # Called every stats_every steps on small trees: XLA's backend optimizations would cost more
 # compile time (seconds, per model) than they save.
-@functools.partial(jax.jit, compiler_options=_FAST_COMPILE)
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 def _gradient_stats(grads: Any) -> dict[str, jl.diagnostics.GradientStats]:
   """Per-layer statistics of gradients that are already scaled, as fp16 would store them
   (no exponent histogram: the training loop keeps the fractions only)."""
@@ -759,12 +759,12 @@ def init_variables(task: Task, fp8_config: Any, seed: int) -> dict[str, Any]:
 
     # Under one jit: run eagerly, every initializer would be compiled on its own (seconds);
     # it runs once, so XLA's optimizations are not worth their compile time either.
-    cache[key] = jax.jit(init, compiler_options=_FAST_COMPILE)(jax.random.key(seed))
+    cache[key] = jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(seed))
   return dict(_copy(cache[key]))
 
 
 # Under jit, jnp.copy gives new buffers: an output that is an input would be the same one.
-_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), compiler_options=_FAST_COMPILE)
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), compiler_options=FAST_COMPILE)
 
 
 def setup_scope(fp8_config: Any) -> Any:
@@ -877,7 +877,7 @@ def make_eval_step(setup: Setup):
       outputs = setup.apply_fn(setup.variables(params, model_state, fp8_state), *args, **kwargs)
     return task.loss_terms(outputs, batch)
 
-  options = _FAST_COMPILE if setup.config.fast_compile else None
+  options = FAST_COMPILE if setup.config.fast_compile else None
   cache[key] = jax.jit(eval_step, compiler_options=options)
   return cache[key]
 
@@ -974,7 +974,7 @@ def calibrate_fp8(setup: Setup) -> None:
     lambda p, ms, fs, b: fp8.calibrate(
       lambda amax: loss_fn(p, amax, ms, fs, b, None), fs, setup.fp8_config, has_aux=True
     ),
-    compiler_options=_FAST_COMPILE,
+    compiler_options=FAST_COMPILE,
   )(params, model_state, fp8_state, setup.task.train_batch(0))
   setup.state = (params, model_state, calibrated, opt_state)
 
@@ -1057,7 +1057,7 @@ def _master(params: Any, opt_state: Any, recipe: Recipe) -> Any:
   parameters, else the parameters."""
   if recipe.params_method is None:
     return params
-  return jax.jit(jl.master_params, compiler_options=_FAST_COMPILE)(params, opt_state)
+  return jax.jit(jl.master_params, compiler_options=FAST_COMPILE)(params, opt_state)
 
 
 def _module_name(module: nn.Module) -> str:
@@ -1112,7 +1112,7 @@ def activation_gradients(
     return terms["loss"] / (terms["count"] * config.replicas)
 
   zeros = {name: jnp.zeros(s.shape, s.dtype) for name, s in shapes.items()}
-  return jax.jit(jax.grad(loss_fn), compiler_options=_FAST_COMPILE)(zeros)  # runs once
+  return jax.jit(jax.grad(loss_fn), compiler_options=FAST_COMPILE)(zeros)  # runs once
 
 
 def _fp8_scales(fp8_state: Any) -> dict[str, list[float]]:

@@ -36,6 +36,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -730,10 +731,16 @@ def activation_summary(
   dynamic = results.get("fp16-dynamic")
   scale = dynamic.loss_scale[-1] if dynamic else None
 
+  # One compilation for both scales (run eagerly, every operation would compile on its own).
+  statistics_at = jax.jit(
+    lambda grads, loss_scale: jl.diagnostics.gradient_statistics(
+      grads, loss_scale=loss_scale, format="float16", group_by="leaf"
+    ),
+    compiler_options=common.FAST_COMPILE,
+  )
+
   def stats(loss_scale):
-    found = jl.diagnostics.gradient_statistics(
-      act_grads, loss_scale=loss_scale, format="float16", group_by="leaf"
-    )
+    found = statistics_at(act_grads, jnp.float32(loss_scale))
     return common.stats_to_python(jax.device_get(found))
 
   return {
