@@ -537,7 +537,7 @@ class RunResult:
 # The training loop
 
 # XLA's backend optimizations off, for programs that run once or on tiny inputs.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def step_compiler_options(fast_compile: bool = False) -> dict[str, Any] | None:
@@ -548,10 +548,17 @@ def step_compiler_options(fast_compile: bool = False) -> dict[str, Any] | None:
   two cores the copies cost a 16-bit-state step 15-35% (docs/low-precision-params.md, "Step
   time"). Its region analysis proves the reads come first and copies nothing.
   """
-  options = dict(_FAST_COMPILE) if fast_compile else {}
+  options = dict(FAST_COMPILE) if fast_compile else {}
   if jax.default_backend() == "cpu":
     options["xla_cpu_copy_insertion_use_region_analysis"] = True
   return options or None
+
+
+def markdown_table(columns: list[tuple[str, Any]], rows: list[dict[str, Any]]) -> str:
+  """A Markdown table: one column per (header, cell function of a row)."""
+  lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows]
+  return "\n".join(lines)
 
 
 def progress(iterable: Iterable, enabled: bool, **kwargs: Any):
@@ -643,308 +650,389 @@ def make_loss_scale(recipe: Recipe, task: Task, params: Any, config: TrainConfig
   raise ValueError(f"Unknown loss scale kind {recipe.loss_scale!r}.")
 
 
-def _scale_values(loss_scale: Any) -> tuple[jax.Array, jax.Array | None]:
-  """(the scale the loss is multiplied by, per-stage scales or None)."""
-  value = jnp.asarray(loss_scale.loss_scale, jnp.float32)
-  return value, (None if loss_scale.uniform else loss_scale.scales)
-
-
 def _memory(compiled: Any) -> dict[str, int]:
+  """The compiled step's ``memory_analysis()`` in bytes ({} where the backend has none)."""
   try:
     stats = compiled.memory_analysis()
   except Exception:  # some backends do not implement it
-    return {}
+    stats = None
   if stats is None:
     return {}
-  fields = (
-    "argument_size_in_bytes",
-    "output_size_in_bytes",
-    "alias_size_in_bytes",
-    "temp_size_in_bytes",
-    "generated_code_size_in_bytes",
-  )
-  out = {f: int(getattr(stats, f, 0) or 0) for f in fields}
+  kinds = ("argument", "output", "alias", "temp", "generated_code")
+  out = {f"{k}_size_in_bytes": int(getattr(stats, f"{k}_size_in_bytes", 0) or 0) for k in kinds}
   # Arguments and outputs that alias (donated buffers) are counted once.
-  out["total_bytes"] = (
-    out["argument_size_in_bytes"]
-    + out["output_size_in_bytes"]
-    - out["alias_size_in_bytes"]
-    + out["temp_size_in_bytes"]
-  )
+  arguments, outputs, alias, temp = (out[f"{k}_size_in_bytes"] for k in kinds[:4])
+  out["total_bytes"] = arguments + outputs - alias + temp
   return out
 
 
 def stats_to_python(
   stats: dict[str, jl.diagnostics.GradientStats], *, histogram: bool = True
 ) -> dict[str, Any]:
-  """Fetched ``jl.diagnostics.GradientStats`` per layer as JSON-ready dicts (without the exponent
-  histogram if ``histogram=False``: it is most of the size)."""
-  out = {}
-  for layer, s in stats.items():
-    out[layer] = {
-      "size": int(s.size),
-      "zero_fraction": float(s.zero_fraction),
-      "nonfinite_fraction": float(s.nonfinite_fraction),
-      "underflow_fraction": float(s.underflow_fraction),
-      "subnormal_fraction": float(s.subnormal_fraction),
-      "overflow_fraction": float(s.overflow_fraction),
-      "max_abs": float(s.max_abs),
-      "histogram": [int(v) for v in np.asarray(s.histogram)],
-      "min_exponent": int(s.min_exponent),
-      "loss_scale": float(s.loss_scale),
-    }
-    if not histogram:  # also drop what is the same for every layer and step
-      for field in ("histogram", "min_exponent", "loss_scale", "size"):
-        del out[layer][field]
-  return out
+  """Fetched ``jl.diagnostics.GradientStats`` per layer as JSON-ready dicts; without the
+  exponent histogram (most of the size) and what every layer and step shares if
+  ``histogram=False``."""
+  drop = () if histogram else ("histogram", "min_exponent", "loss_scale", "size")
+  return {
+    layer: {f: np.asarray(v).tolist() for f, v in s._asdict().items() if f not in drop}
+    for layer, s in stats.items()
+  }
 
 
 def stats_from_python(layers: dict[str, Any]) -> dict[str, jl.diagnostics.GradientStats]:
   """Inverse of the JSON form: ``GradientStats`` (numpy) for :mod:`jmp_lite.plotting`."""
-  return {
-    name: jl.diagnostics.GradientStats(
-      **{
-        f: np.asarray(d[f])
-        for f in jl.diagnostics.GradientStats._fields  # every field is stored
-      }
-    )
-    for name, d in layers.items()
-  }
+  fields = jl.diagnostics.GradientStats._fields  # every field is stored
+  as_stats = jl.diagnostics.GradientStats
+  return {n: as_stats(**{f: np.asarray(d[f]) for f in fields}) for n, d in layers.items()}
 
 
 # Called every stats_every steps on small trees: XLA's backend optimizations would cost more
 # compile time (seconds, per model) than they save.
-@functools.partial(jax.jit, compiler_options=_FAST_COMPILE)
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 def _gradient_stats(grads: Any) -> dict[str, jl.diagnostics.GradientStats]:
-  """Per-layer statistics of gradients that are already scaled, as fp16 would store them."""
-  return jl.diagnostics.gradient_statistics(grads, loss_scale=1.0, format="float16")
+  """Per-layer statistics of gradients that are already scaled, as fp16 would store them
+  (no exponent histogram: the training loop keeps the fractions only)."""
+  return jl.diagnostics.gradient_statistics(
+    grads, loss_scale=1.0, format="float16", exponent_range=None
+  )
 
 
-def train(
-  task: Task,
-  recipe: Recipe,
-  config: TrainConfig,
-  *,
-  keep_state: bool = False,
-) -> RunResult:
-  """Trains ``task`` under ``recipe`` from ``config.seed`` and measures the run.
+@dataclasses.dataclass
+class Setup:
+  """One recipe's model, optimizer and initial state, as the training step needs them.
 
-  The step is compiled ahead of time (``jax.jit(...).lower(...).compile()``)
-  so its compile time and ``memory_analysis()`` are measured separately from
-  the step time.
+  Attributes:
+    task, recipe, config: what is trained, how, for how long.
+    policy: the recipe's :class:`jmp_lite.Policy`.
+    apply_fn: ``jlf.policy_apply(task.model, policy)``.
+    fp8_config: the :mod:`jmp_lite.fp8` recipe of the ``fp8`` recipe, else None.
+    fp8_stateful: whether that fp8 recipe keeps a state (delayed scaling).
+    tx: the whole optimizer (:func:`make_transform`).
+    state: ``(params, model_state, fp8_state, opt_state)``, the step's carried state.
   """
+
+  task: Task
+  recipe: Recipe
+  config: TrainConfig
+  policy: jl.Policy
+  apply_fn: Any
+  fp8_config: Any
+  fp8_stateful: bool
+  tx: optax.GradientTransformation
+  state: tuple[Any, Any, Any, Any]
+
+  def fp8_scope(self, loss_scale: Any = None) -> Any:
+    """The context the model runs in: every Dense in fp8 for the fp8 recipe, else nothing.
+
+    linen_fp8 goes outside the policy's interceptor (installed inside apply_fn), as
+    docs/fp8.md asks. Every Dense is in fp8, the head included: the default placement keeps
+    the first and last layers in bf16 and skips matmuls too small to pay, which at these CPU
+    sizes is all of them, so the fp8 recipe would train as bf16 and measure nothing.
+    """
+    if self.fp8_config is None:
+      return contextlib.nullcontext()
+    return flax_fp8.linen_fp8(self.fp8_config, loss_scale=loss_scale, placement=fp8.ALL_LAYERS)
+
+  def variables(self, params: Any, model_state: Any, fp8_state: Any, amax: Any = None) -> dict:
+    """The linen variables of one forward pass (the split's view of the parameters)."""
+    if self.recipe.high_half_view:
+      params = jax.tree.map(bf16_high_half, params)
+    variables = {"params": params, **model_state}
+    if self.fp8_stateful:
+      variables[flax_fp8.STATE_COLLECTION] = fp8_state
+      if amax is not None:  # the probes whose gradients are the observed maxima
+        variables[flax_fp8.AMAX_COLLECTION] = amax
+    return variables
+
+
+def init_variables(task: Task, fp8_config: Any, seed: int) -> dict[str, Any]:
+  """The model's initial variables (fp32), computed once per task, fp8 recipe and seed; a
+  fresh copy each call, since the training step donates (consumes) them."""
+  cache = task.__dict__.setdefault("_initial_variables", {})
+  key = (seed, repr(fp8_config))
+  if key not in cache:
+    scope = setup_scope(fp8_config)
+
+    def init(rng):
+      with scope:
+        return task.model.init(rng, *task.init_inputs())
+
+    # Under one jit: run eagerly, every initializer would be compiled on its own (seconds);
+    # it runs once, so XLA's optimizations are not worth their compile time either.
+    cache[key] = jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(seed))
+  return dict(_copy(cache[key]))
+
+
+# Under jit, jnp.copy gives new buffers: an output that is an input would be the same one.
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), compiler_options=FAST_COMPILE)
+
+
+def setup_scope(fp8_config: Any) -> Any:
+  """The fp8 context of initialization (a fresh one: a context manager is used once)."""
+  if fp8_config is None:
+    return contextlib.nullcontext()
+  return flax_fp8.linen_fp8(fp8_config, placement=fp8.ALL_LAYERS)
+
+
+def make_setup(task: Task, recipe: Recipe, config: TrainConfig) -> Setup:
+  """The recipe's policy, optimizer and initial state for ``task``."""
   policy = jl.get_policy(recipe.policy)
   fp8_config = fp8_recipe(config) if recipe.fp8 else None
-  # Delayed scaling keeps a state (calibrated, read and updated); the other recipes none.
-  fp8_stateful = fp8_config is not None and fp8.as_recipe(fp8_config).init_state() is not None
-  apply_fn = jlf.policy_apply(task.model, policy)
-
-  def fp8_scope(loss_scale=None):
-    # linen_fp8 goes outside the policy's interceptor (installed inside apply_fn), as
-    # docs/fp8.md asks, so the fp8 matmul replaces Flax's default dot_general.
-    if fp8_config is None:
-      return contextlib.nullcontext()
-    # Every Dense in fp8, the head included: the default placement keeps the first and last
-    # layers in bf16 and skips matmuls too small to pay, which at these CPU sizes is all of
-    # them, so the fp8 recipe would train as bf16 and measure nothing.
-    return flax_fp8.linen_fp8(fp8_config, loss_scale=loss_scale, placement=fp8.ALL_LAYERS)
-
-  def init(key):
-    with fp8_scope():
-      return task.model.init(key, *task.init_inputs())
-
-  # Under one jit: run eagerly, every initializer would be compiled on its own (seconds);
-  # it runs once, so XLA's optimizations are not worth their compile time either.
-  variables = jax.jit(init, compiler_options=_FAST_COMPILE)(jax.random.key(config.seed))
-  variables = dict(variables)
+  variables = init_variables(task, fp8_config, config.seed)
   params = variables.pop("params")
   fp8_state = variables.pop(flax_fp8.STATE_COLLECTION, None)
-  model_state = variables  # e.g. batch_stats
-
   if recipe.params_method is not None:
     params = policy.cast_to_param(params)  # stored in 16 bits: no fp32 master copy
   if recipe.high_half_view:  # the split's starting point: the bf16 values, exact in fp32
     params = jl.cast_to_full(policy.cast_to_param(params))
   tx = make_transform(recipe, task, params, config)
-  opt_state = tx.init(params)
-  state_bytes = {
-    "params": tree_bytes(params),
-    "opt_state": tree_bytes(opt_state),
-    "param_elements": sum(int(np.size(p)) for p in jax.tree.leaves(params)),
-  }
-  denominator_factor = float(config.replicas)
+  return Setup(
+    task=task,
+    recipe=recipe,
+    config=config,
+    policy=policy,
+    apply_fn=jlf.policy_apply(task.model, policy),
+    fp8_config=fp8_config,
+    fp8_stateful=fp8_config is not None and fp8.as_recipe(fp8_config).init_state() is not None,
+    tx=tx,
+    state=(params, variables, fp8_state, jax.jit(tx.init)(params)),  # variables: batch_stats
+  )
+
+
+def make_loss_fn(setup: Setup):
+  """``loss_fn(params, amax, model_state, fp8_state, batch, loss_scale) -> (loss, aux)``.
+
+  The loss the gradients are taken of is this replica's share of a global mean (the sum
+  over the batch divided by ``replicas * count``); ``aux`` is the model state's updates and
+  the batch's loss terms.
+  """
+  task = setup.task
 
   def loss_fn(params, amax, model_state, fp8_state, batch, loss_scale):
-    if recipe.high_half_view:
-      params = jax.tree.map(bf16_high_half, params)
-    variables = {"params": params, **model_state}
-    if fp8_stateful:
-      variables[flax_fp8.STATE_COLLECTION] = fp8_state
-      variables[flax_fp8.AMAX_COLLECTION] = amax
+    variables = setup.variables(params, model_state, fp8_state, amax)
     args, kwargs = task.model_args(batch, train=True)
-    with fp8_scope(loss_scale):
+    with setup.fp8_scope(loss_scale):
       if task.mutable:
-        outputs, updates = apply_fn(variables, *args, mutable=list(task.mutable), **kwargs)
+        outputs, updates = setup.apply_fn(variables, *args, mutable=list(task.mutable), **kwargs)
       else:
-        outputs, updates = apply_fn(variables, *args, **kwargs), {}
+        outputs, updates = setup.apply_fn(variables, *args, **kwargs), {}
     terms = task.loss_terms(outputs, batch)
-    # The loss the gradients are taken of: this replica's share of a global mean.
-    loss = terms["loss"] / (terms["count"] * denominator_factor)
-    return loss, (updates, terms)
+    return terms["loss"] / (terms["count"] * setup.config.replicas), (updates, terms)
 
-  if fp8_stateful:
-    # Step 0's fp8 scales from the first batch's own maxima (docs/fp8.md): otherwise they
-    # start at 1 and the first steps flush small gradients to zero.
-    fp8_state = jax.jit(
-      lambda p, ms, fs, b: fp8.calibrate(
-        lambda amax: loss_fn(p, amax, ms, fs, b, None), fs, fp8_config, has_aux=True
-      ),
-      compiler_options=_FAST_COMPILE,
-    )(params, model_state, fp8_state, task.train_batch(0))
+  return loss_fn
 
-  def train_step(params, model_state, fp8_state, opt_state, batch, step):
+
+def make_train_step(setup: Setup):
+  """The training step: the gradients of the scaled loss, ``tx.update`` (unscale, skip a
+  non-finite step, adjust the scale), ``optax.apply_updates``; README's step, plus the model
+  state (dropped on a skipped step), fp8's delayed scales and the metrics to record."""
+  loss_fn, tx, recipe = make_loss_fn(setup), setup.tx, setup.recipe
+
+  def train_step(params, model_state, fp8_state, opt_state, batch):
     loss_scale = jl.get_loss_scale(opt_state)
-    if not fp8_stateful:
-      (_, (updates, terms)), grads = jl.scaled_value_and_grad(loss_fn, loss_scale, has_aux=True)(
-        params, None, model_state, fp8_state, batch, loss_scale
-      )
-      amax = None
-    else:
-      # Gradients for the parameters and the fp8 amax probes (docs/fp8.md).
-      (_, (updates, terms)), (grads, amax) = jl.scaled_value_and_grad(
-        loss_fn, loss_scale, has_aux=True, argnums=(0, 1)
-      )(params, fp8.zeros_amax(fp8_state), model_state, fp8_state, batch, loss_scale)
-
-    # The parameter gradients as computed (scaled), for the statistics (outside the step:
-    # one small compilation shared by all recipes instead of a bigger step per recipe).
-    param_grads = grads.grads if isinstance(grads, jl.layerwise.LayerwiseGrads) else grads
-    scale_used, stage_scales = _scale_values(loss_scale)
+    amax = fp8.zeros_amax(fp8_state) if setup.fp8_stateful else None
+    # With delayed fp8 scaling, also the gradients of the amax probes (docs/fp8.md).
+    argnums = (0, 1) if setup.fp8_stateful else 0
+    (_, (updates, terms)), grads = jl.scaled_value_and_grad(
+      loss_fn, loss_scale, has_aux=True, argnums=argnums
+    )(params, amax, model_state, fp8_state, batch, loss_scale)
+    grads, amax = grads if setup.fp8_stateful else (grads, None)
     new_updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, new_updates)
     finite = jl.get_loss_scaling_state(opt_state).last_finite
     # Batch statistics of a skipped step (non-finite activations) are dropped too.
     model_state = jl.select_tree(finite, {**model_state, **updates}, model_state)
-    if fp8_stateful:
-      fp8_state = fp8.update(fp8_state, amax, fp8_config)  # drops non-finite observations
+    if setup.fp8_stateful:
+      fp8_state = fp8.update(fp8_state, amax, setup.fp8_config)  # drops non-finite maxima
+    layerwise = recipe.loss_scale == "layerwise"
     metrics = {
       "loss": terms["loss"] / terms["count"],
       "accuracy": terms["correct"] / terms["count"],
       "finite": finite,
-      "loss_scale": scale_used,
-      "grads": param_grads,
+      "loss_scale": jnp.asarray(loss_scale.loss_scale, jnp.float32),
+      # The parameter gradients as computed (scaled), for the statistics.
+      "grads": grads.grads if layerwise else grads,
     }
-    if stage_scales is not None:
-      metrics["stage_scales"] = stage_scales
+    if layerwise:
+      metrics["stage_scales"] = loss_scale.scales
     if recipe.params_method is not None:
       metrics["rounded_away"] = low_precision_state(opt_state).rounded_away
     return params, model_state, fp8_state, opt_state, metrics
 
+  return train_step
+
+
+def make_eval_step(setup: Setup):
+  """``eval_step(params, model_state, fp8_state, batch) -> loss terms``, jitted; shared by the
+  recipes that evaluate alike (same policy, view and fp8 recipe)."""
+  task, recipe = setup.task, setup.recipe
+  cache = task.__dict__.setdefault("_eval_steps", {})
+  key = (recipe.policy, recipe.high_half_view, repr(setup.fp8_config), setup.config.fast_compile)
+  if key in cache:
+    return cache[key]
+
   def eval_step(params, model_state, fp8_state, batch):
-    if recipe.high_half_view:
-      params = jax.tree.map(bf16_high_half, params)
-    variables = {"params": params, **model_state}
-    if fp8_stateful:
-      variables[flax_fp8.STATE_COLLECTION] = fp8_state  # no probes: nothing observed
     args, kwargs = task.model_args(batch, train=False)
-    with fp8_scope():
-      outputs = apply_fn(variables, *args, **kwargs)
+    with setup.fp8_scope():  # no probes: nothing observed
+      outputs = setup.apply_fn(setup.variables(params, model_state, fp8_state), *args, **kwargs)
     return task.loss_terms(outputs, batch)
 
-  compiler_options = _FAST_COMPILE if config.fast_compile else None
-  step0 = jnp.asarray(0, jnp.int32)
-  t0 = time.perf_counter()
-  lowered = jax.jit(
-    train_step,
-    donate_argnums=(0, 1, 2, 3),
-    compiler_options=step_compiler_options(config.fast_compile),
-  ).lower(params, model_state, fp8_state, opt_state, task.train_batch(0), step0)
-  compiled = lowered.compile()
-  compile_s = time.perf_counter() - t0
-  memory = _memory(compiled)
-  eval_compiled = jax.jit(eval_step, compiler_options=compiler_options)
+  options = FAST_COMPILE if setup.config.fast_compile else None
+  cache[key] = jax.jit(eval_step, compiler_options=options)
+  return cache[key]
 
-  eval_batches = task.eval_batches()
 
-  def evaluate() -> tuple[float, float]:
+class Run:
+  """A compiled training step and its state, stepped one batch at a time.
+
+  The step is compiled ahead of time (``jax.jit(...).lower(...).compile()``) so that its
+  compile time and ``memory_analysis()`` are measured apart from the step time.
+  """
+
+  def __init__(self, setup: Setup):
+    self.setup, self.state, self.steps_done = setup, setup.state, 0
+    step = jax.jit(
+      make_train_step(setup),
+      donate_argnums=(0, 1, 2, 3),
+      compiler_options=step_compiler_options(setup.config.fast_compile),
+    )
+    t0 = time.perf_counter()
+    self.compiled = step.lower(*self.state, setup.task.train_batch(0)).compile()
+    self.compile_s = time.perf_counter() - t0
+    self.memory = _memory(self.compiled)
+    self.eval_step = make_eval_step(setup)
+    self.eval_batches = setup.task.eval_batches()
+
+  def step(self) -> tuple[dict[str, Any], float, float]:
+    """Runs the next step: (its metrics, its loss, its wall time in seconds)."""
+    batch = self.setup.task.train_batch(self.steps_done)
+    t = time.perf_counter()
+    *self.state, metrics = self.compiled(*self.state, batch)
+    loss = float(metrics["loss"])  # waits for the step
+    self.steps_done += 1
+    return metrics, loss, time.perf_counter() - t
+
+  def more(self, n: int) -> list[float]:
+    """Wall times of ``n`` more steps (for the interleaved timing)."""
+    return [self.step()[2] for _ in range(n)]
+
+  def evaluate(self) -> tuple[float, float]:
+    """(loss, accuracy) on the validation batches."""
+    params, model_state, fp8_state, _ = self.state
     totals = {"loss": 0.0, "count": 0.0, "correct": 0.0}
-    for batch in eval_batches:
-      terms = jax.device_get(eval_compiled(params, model_state, fp8_state, batch))
+    for batch in self.eval_batches:
+      terms = jax.device_get(self.eval_step(params, model_state, fp8_state, batch))
       for k in totals:
         totals[k] += float(terms[k])
     return totals["loss"] / totals["count"], totals["correct"] / totals["count"]
 
-  def run_step(step: int):
-    nonlocal params, model_state, fp8_state, opt_state
-    batch = task.train_batch(step)
-    t = time.perf_counter()
-    params, model_state, fp8_state, opt_state, metrics = compiled(
-      params, model_state, fp8_state, opt_state, batch, jnp.asarray(step, jnp.int32)
-    )
-    loss = float(metrics["loss"])  # waits for the step
-    return metrics, loss, time.perf_counter() - t
 
-  def run_more(n: int) -> list[float]:
-    start = config.steps + len(extra_times)
-    times = [run_step(start + i)[2] for i in range(n)]
-    extra_times.extend(times)
-    return times
+@dataclasses.dataclass
+class History:
+  """What the training loop records, step by step."""
 
-  extra_times: list[float] = []
-  train_loss, train_acc, scales, stage_scales, skipped, times = [], [], [], [], [], []
-  rounded_away: list[int] = []
-  eval_steps, val_loss, val_acc = [], [], []
-  grad_stats: dict[str, Any] = {}
+  train_loss: list[float] = dataclasses.field(default_factory=list)
+  train_accuracy: list[float] = dataclasses.field(default_factory=list)
+  loss_scale: list[float] = dataclasses.field(default_factory=list)
+  stage_scales: list[list[float]] = dataclasses.field(default_factory=list)
+  rounded_away: list[int] = dataclasses.field(default_factory=list)
+  skipped: list[int] = dataclasses.field(default_factory=list)
+  times: list[float] = dataclasses.field(default_factory=list)
+  eval_steps: list[int] = dataclasses.field(default_factory=list)
+  val_loss: list[float] = dataclasses.field(default_factory=list)
+  val_accuracy: list[float] = dataclasses.field(default_factory=list)
+  grad_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def record(self, step: int, metrics: dict[str, Any], loss: float, seconds: float) -> None:
+    self.times.append(seconds)
+    self.train_loss.append(loss)
+    self.train_accuracy.append(float(metrics["accuracy"]))
+    self.loss_scale.append(float(metrics["loss_scale"]))
+    if "stage_scales" in metrics:
+      self.stage_scales.append([float(s) for s in np.asarray(metrics["stage_scales"])])
+    if "rounded_away" in metrics:
+      self.rounded_away.append(int(metrics["rounded_away"]))
+    if not bool(metrics["finite"]):
+      self.skipped.append(step)
+
+  def record_stats(self, step: int, grads: Any) -> None:
+    stats = jax.device_get(_gradient_stats(grads))
+    self.grad_stats[str(step)] = stats_to_python(stats, histogram=False)
+
+  def record_eval(self, step: int, loss_and_accuracy: tuple[float, float]) -> None:
+    self.eval_steps.append(step + 1)
+    self.val_loss.append(loss_and_accuracy[0])
+    self.val_accuracy.append(loss_and_accuracy[1])
+
+
+def calibrate_fp8(setup: Setup) -> None:
+  """Delayed fp8 scaling: step 0's scales from the first batch's own maxima (docs/fp8.md);
+  otherwise they start at 1 and the first steps flush small gradients to zero."""
+  params, model_state, fp8_state, opt_state = setup.state
+  loss_fn = make_loss_fn(setup)
+  calibrated = jax.jit(
+    lambda p, ms, fs, b: fp8.calibrate(
+      lambda amax: loss_fn(p, amax, ms, fs, b, None), fs, setup.fp8_config, has_aux=True
+    ),
+    compiler_options=FAST_COMPILE,
+  )(params, model_state, fp8_state, setup.task.train_batch(0))
+  setup.state = (params, model_state, calibrated, opt_state)
+
+
+def train(
+  task: Task, recipe: Recipe, config: TrainConfig, *, keep_state: bool = False
+) -> RunResult:
+  """Trains ``task`` under ``recipe`` from ``config.seed`` and measures the run."""
+  setup = make_setup(task, recipe, config)
+  state_bytes = {
+    "params": tree_bytes(setup.state[0]),
+    "opt_state": tree_bytes(setup.state[3]),
+    "param_elements": sum(int(np.size(p)) for p in jax.tree.leaves(setup.state[0])),
+  }
+  if setup.fp8_stateful:
+    calibrate_fp8(setup)
+  run, history = Run(setup), History()
+  last = config.steps - 1
   bar = progress(range(config.steps), config.progress, desc=f"{task.name}/{recipe.name}")
   for step in bar:
-    metrics, loss, seconds = run_step(step)
-    times.append(seconds)
-    train_loss.append(loss)
-    train_acc.append(float(metrics["accuracy"]))
-    scales.append(float(metrics["loss_scale"]))
-    if "stage_scales" in metrics:
-      stage_scales.append([float(s) for s in np.asarray(metrics["stage_scales"])])
-    if "rounded_away" in metrics:
-      rounded_away.append(int(metrics["rounded_away"]))
-    if not bool(metrics["finite"]):
-      skipped.append(step)
-    if step % config.stats_every == 0 or step == config.steps - 1:
-      stats = jax.device_get(_gradient_stats(metrics["grads"]))
-      grad_stats[str(step)] = stats_to_python(stats, histogram=False)
-    if (step + 1) % config.eval_every == 0 or step == config.steps - 1 or step == 0:
-      vl, va = evaluate()
-      eval_steps.append(step + 1)
-      val_loss.append(vl)
-      val_acc.append(va)
+    metrics, loss, seconds = run.step()
+    history.record(step, metrics, loss, seconds)
+    if step % config.stats_every == 0 or step == last:
+      history.record_stats(step, metrics["grads"])
+    if (step + 1) % config.eval_every == 0 or step in (0, last):
+      history.record_eval(step, run.evaluate())
     if hasattr(bar, "set_postfix"):
-      bar.set_postfix(loss=f"{loss:.3f}", scale=f"{scales[-1]:g}", refresh=False)
+      bar.set_postfix(loss=f"{loss:.3f}", scale=f"{history.loss_scale[-1]:g}", refresh=False)
+  return make_result(run, history, state_bytes, keep_state)
 
-  # Final training metrics: the whole training set would cost a pass per recipe,
-  # so the train loss is the mean over the last 10% of steps (same batches for all).
+
+def make_result(run: Run, h: History, state_bytes: dict[str, int], keep_state: bool) -> RunResult:
+  """The :class:`RunResult` of a finished run."""
+  recipe, config = run.setup.recipe, run.setup.config
+  params, model_state, fp8_state, opt_state = run.state
+  # The train loss is the mean over the last 10% of steps (the same batches for every
+  # recipe): the whole training set would cost a pass per recipe.
   tail = max(1, config.steps // 10)
-  final_train_loss = float(np.mean(train_loss[-tail:]))
-  final_train_acc = float(np.mean(train_acc[-tail:]))
   final = {
-    "train_loss": final_train_loss,
-    "train_accuracy": final_train_acc,
-    "val_loss": val_loss[-1],
-    "val_accuracy": val_acc[-1],
+    "train_loss": float(np.mean(h.train_loss[-tail:])),
+    "train_accuracy": float(np.mean(h.train_accuracy[-tail:])),
+    "val_loss": h.val_loss[-1],
+    "val_accuracy": h.val_accuracy[-1],
   }
-  fp8_scales = None
-  if fp8_state is not None:
-    fp8_scales = _fp8_scales(fp8_state)
-  warm = times[min(2, len(times) - 1) :]  # the first calls include dispatch warm-up
+  warm = h.times[min(2, len(h.times) - 1) :]  # the first calls include dispatch warm-up
+  low_precision = recipe.params_method is not None
   return RunResult(
     recipe=recipe.name,
     policy=recipe.policy,
     loss_scale_kind=recipe.loss_scale,
     steps=config.steps,
-    train_loss=train_loss,
-    loss_scale=scales,
-    stage_scales=stage_scales or None,
-    skipped=skipped,
-    eval_steps=eval_steps,
-    val_loss=val_loss,
-    val_accuracy=val_acc,
+    train_loss=h.train_loss,
+    loss_scale=h.loss_scale,
+    stage_scales=h.stage_scales or None,
+    skipped=h.skipped,
+    eval_steps=h.eval_steps,
+    val_loss=h.val_loss,
+    val_accuracy=h.val_accuracy,
     final=final,
     step_time_ms=1e3 * float(np.percentile(warm, 10)),
     step_time_spread={
@@ -952,15 +1040,15 @@ def train(
       "training_loop_median_ms": 1e3 * statistics.median(warm),
       "training_loop_p90_ms": 1e3 * float(np.percentile(warm, 90)),
     },
-    compile_s=compile_s,
-    memory=memory,
-    grad_stats=grad_stats,
-    fp8_scales=fp8_scales,
+    compile_s=run.compile_s,
+    memory=run.memory,
+    grad_stats=h.grad_stats,
+    fp8_scales=None if fp8_state is None else _fp8_scales(fp8_state),
     state_bytes=state_bytes,
-    rounded_away=rounded_away if recipe.params_method is not None else None,
-    low_precision_size=low_precision_size(params) if recipe.params_method is not None else None,
+    rounded_away=h.rounded_away if low_precision else None,
+    low_precision_size=low_precision_size(params) if low_precision else None,
     state=(_master(params, opt_state, recipe), model_state) if keep_state else None,
-    run_more=run_more,
+    run_more=run.more,
   )
 
 
@@ -969,7 +1057,7 @@ def _master(params: Any, opt_state: Any, recipe: Recipe) -> Any:
   parameters, else the parameters."""
   if recipe.params_method is None:
     return params
-  return jl.master_params(params, opt_state)
+  return jax.jit(jl.master_params, compiler_options=FAST_COMPILE)(params, opt_state)
 
 
 def _module_name(module: nn.Module) -> str:
@@ -1024,7 +1112,7 @@ def activation_gradients(
     return terms["loss"] / (terms["count"] * config.replicas)
 
   zeros = {name: jnp.zeros(s.shape, s.dtype) for name, s in shapes.items()}
-  return jax.jit(jax.grad(loss_fn), compiler_options=_FAST_COMPILE)(zeros)  # runs once
+  return jax.jit(jax.grad(loss_fn), compiler_options=FAST_COMPILE)(zeros)  # runs once
 
 
 def _fp8_scales(fp8_state: Any) -> dict[str, list[float]]:

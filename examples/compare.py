@@ -1,50 +1,21 @@
 """Mixed precision recipes side by side: one example, every recipe, the same seed.
 
-Trains one example (default: the character-level transformer LM of
-:mod:`examples.charlm`) under each recipe of :data:`examples.common.RECIPES`
-from the same initialization on the same batches, then prints a table (final
-train/validation loss, accuracy or bits per character, skipped steps, final
-loss scale, step time, compiled memory) and writes, to ``--out``:
-
-* ``<example>_compare.json``: everything measured, for machines;
-* ``<example>_compare.md``: the table;
-* ``<example>_loss.png``: loss curves per recipe;
-* ``<example>_loss_scale.png``: the loss-scale trajectories;
-* ``<example>_fp8_vs_bf16.png``: the fp8 recipe's loss against bf16's;
-* ``<example>_grad_histogram.png``: exponents of the activation gradients
-  against fp16's representable range, unscaled and at the dynamic scale
-  (the histogram of Micikevicius et al. 2018, Fig. 3);
-* ``<example>_underflow.png``: per layer, the fraction of activation gradients
-  fp16 flushes to zero without scaling and with it, and the parameter
-  gradients that came out exactly zero in the unscaled fp16 run.
-
-**Pure 16-bit training** (opt-in: ``--recipes low-precision-params``): the
-parameters stored in bf16 with no fp32 master copy, updated through
-:func:`jmp_lite.low_precision_params` by round-to-nearest, stochastic
-rounding, Kahan compensation or the exact 16+16 split, against
-``fp32-master`` (see :data:`examples.common.LOW_PRECISION_RECIPES`). It adds
-
-* ``<example>_low_precision.md``: validation loss and accuracy relative to
-  fp32-master, the moment dtype, bytes per parameter, and the share of
-  16-bit parameter elements whose update rounded away (left the stored value
-  unchanged) over the first, middle and last tenth of the steps;
-* ``<example>_low_precision.png``: that share per step over training, with
-  the learning rate, and each recipe's validation loss minus fp32-master's.
-
-**The underflow scenario** (on by default for the LM): the loss is this
-process's share of a data-parallel global batch of 2^19 = 524,288 tokens
-(``--replicas``; see :class:`examples.common.TrainConfig`), the per-device
-view of a sharded global mean. The gradient of the loss with respect to each
-logit is then ``(p - onehot) / 2^19``, and fp16 without a loss scale flushes
-most activation gradients to zero: that run trains far worse than fp32 without
-a warning, a NaN or a skipped step. docs/examples.md explains the numbers.
+Trains one example (default: the character-level transformer LM of :mod:`examples.charlm`;
+``--example digits``) under each recipe of :data:`examples.common.RECIPES` from the same
+initialization on the same batches, through :func:`examples.common.train` (the training step
+of ``examples/optax_fp16.py``, with the policy applied by ``jlf.policy_apply``). It prints a
+table and writes to ``--out``: ``<example>_compare.json`` (everything measured),
+``<example>_compare.md`` (the table) and the figures of :data:`FIGURES`; with the opt-in group
+``--recipes low-precision-params`` (bf16 parameters without an fp32 master copy) also
+``<example>_low_precision.md`` and its figure. For the LM the loss is one replica's share of
+a data-parallel global batch of 2^19 tokens (``--replicas``), where fp16 without loss scaling
+flushes most activation gradients to zero. docs/examples.md explains every output.
 
 Run: python -m examples.compare                      (3-4 minutes on 2 busy CPU cores)
      python -m examples.compare --example digits
      python -m examples.compare --recipes fp32,fp16,fp16-dynamic --steps 1000
      python -m examples.compare --replicas 1          (no underflow scenario)
-     python -m examples.compare --recipes low-precision-params --steps 1000
-                                                      (bf16 parameters; ~12 minutes)
+     python -m examples.compare --recipes low-precision-params --steps 1000   (~12 minutes)
      python -m examples.compare --quick --out /tmp/c  (small, for tests)
 """
 
@@ -65,11 +36,12 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jmp_lite as jl
-from examples import charlm, common, digits
+from examples import charlm, common, digits, low_precision
 
 EXAMPLES = {"charlm": charlm, "digits": digits}
 DEFAULT_RECIPES = {
@@ -206,11 +178,7 @@ def format_table(example: str, rows: list[dict[str, Any]]) -> str:
   )
   if base:
     columns.append((f"memory x {base}", lambda row: ratio(row.get("memory_vs_fp32"))))
-  header = [name for name, _ in columns]
-  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-  for row in rows:
-    lines.append("| " + " | ".join(cell(row) for _, cell in columns) + " |")
-  return "\n".join(lines)
+  return common.markdown_table(columns, rows)
 
 
 def _scale_cell(row: dict[str, Any]) -> str:
@@ -238,137 +206,6 @@ def table_notes(rows: list[dict[str, Any]], rounds: int, per_round: int, stages:
   if any(row["final_stage_scales"] for row in rows):
     notes.append(f"final loss scale of fp16-layerwise: one per stage, in order: {stages}.")
   return "\n".join(textwrap.fill(note, 100, subsequent_indent="  ") for note in notes)
-
-
-def _tenths(values: Sequence[float]) -> dict[str, float]:
-  """Means of ``values`` over their first, middle and last tenth."""
-  n = len(values)
-  k = max(1, n // 10)
-  mid = max(0, (n - k) // 2)
-  return {
-    "start": float(np.mean(values[:k])),
-    "middle": float(np.mean(values[mid : mid + k])),
-    "end": float(np.mean(values[-k:])),
-  }
-
-
-def rounded_away_share(r: dict[str, Any]) -> list[float] | None:
-  """Per step, the share of the 16-bit parameter elements whose update rounded away."""
-  if r.get("rounded_away") is None:
-    return None
-  return [n / r["low_precision_size"] for n in r["rounded_away"]]
-
-
-def low_precision_rows(example: str, results: dict[str, Any]) -> list[dict[str, Any]]:
-  """One row per recipe of the low-precision-params group in ``results`` (JSON-ready dicts),
-  relative to fp32-master's when it ran."""
-  group = common.RECIPE_GROUPS["low-precision-params"]
-  base = results.get("fp32-master")
-  rows = []
-  for name, r in results.items():
-    if name not in group:
-      continue
-    recipe = common.get_recipe(name)
-    f = r["final"]
-    sizes = r["state_bytes"]
-    row: dict[str, Any] = {
-      "recipe": name,
-      "method": recipe.params_method or ("bf16 view" if recipe.high_half_view else "fp32 master"),
-      "param_dtype": "bfloat16" if recipe.params_method else "float32",
-      "moment_dtype": recipe.moment_dtype,
-      "val_loss": f["val_loss"],
-      "val_accuracy": f["val_accuracy"],
-      "bytes_per_param": (sizes["params"] + sizes["opt_state"]) / sizes["param_elements"],
-    }
-    if example == "charlm":
-      row["val_bpc"] = charlm.bits_per_char(f["val_loss"])
-    if base is not None:
-      ref = base["final"]
-      row["val_loss_rel"] = f["val_loss"] / ref["val_loss"] - 1
-      row["val_accuracy_diff"] = f["val_accuracy"] - ref["val_accuracy"]
-      ref_sizes = base["state_bytes"]
-      row["bytes_vs_fp32_master"] = (sizes["params"] + sizes["opt_state"]) / (
-        ref_sizes["params"] + ref_sizes["opt_state"]
-      )
-    share = rounded_away_share(r)
-    row["rounded_away"] = _tenths(share) if share else None
-    rows.append(row)
-  return rows
-
-
-def format_low_precision_table(example: str, rows: list[dict[str, Any]]) -> str:
-  """The low-precision-params rows as a Markdown table; the columns relative to fp32-master
-  only when it ran, the rounded-away shares only when a bf16-parameter recipe ran."""
-  base = any("val_loss_rel" in row for row in rows)
-  short = {"float32": "fp32", "bfloat16": "bf16"}
-
-  def pct(x, points=False):
-    return "-" if x is None else f"{100 * x:+.2f}{' pts' if points else '%'}"
-
-  def away(row):
-    shares = row["rounded_away"]
-    if not shares:
-      return "-"
-    return " / ".join(f"{100 * shares[k]:.1f}%" for k in ("start", "middle", "end"))
-
-  def params(row):
-    method = f" ({row['method']})" if row["method"] != "fp32 master" else ""
-    return short[row["param_dtype"]] + method
-
-  columns: list[tuple[str, Any]] = [
-    ("recipe", lambda row: row["recipe"]),
-    ("params", params),
-    ("moments", lambda row: short[row["moment_dtype"]]),
-    ("val loss", lambda row: f"{row['val_loss']:.4f}"),
-  ]
-  if base:
-    columns.append(("val loss vs fp32-master", lambda row: pct(row.get("val_loss_rel"))))
-  if example == "charlm":
-    columns.append(("val bpc", lambda row: f"{row['val_bpc']:.4f}"))
-  columns.append(("val acc", lambda row: f"{row['val_accuracy']:.4f}"))
-  if base:
-    columns.append(
-      ("val acc vs fp32-master", lambda row: pct(row.get("val_accuracy_diff"), points=True))
-    )
-  if any(row["rounded_away"] for row in rows):
-    columns.append(("rounded away: start / middle / end", away))
-  columns.append(("bytes/param", lambda row: f"{row['bytes_per_param']:.2f}"))
-  if base:
-    columns.append(
-      (
-        "bytes x fp32-master",
-        lambda row: f"{row['bytes_vs_fp32_master']:.2f}" if "bytes_vs_fp32_master" in row else "-",
-      )
-    )
-  header = [name for name, _ in columns]
-  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-  for row in rows:
-    lines.append("| " + " | ".join(cell(row) for _, cell in columns) + " |")
-  return "\n".join(lines)
-
-
-SPLIT_REFERENCES = ("fp32-master", "fp32-master-view")
-"""fp32-master runs whose final fp32 parameters bf16-split's (jl.master_params) are compared
-to: bit for bit equal to fp32-master-view's if the split loses no update."""
-
-
-def compare_masters(reference: Any, other: Any) -> dict[str, float]:
-  """How far the fp32 values of two parameter trees are apart: the share of elements equal
-  bit for bit, the largest and the root-mean-square difference relative to the reference's
-  root mean square (per leaf, then over all elements)."""
-  pairs = [
-    (np.asarray(a, np.float32), np.asarray(b, np.float32))
-    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(other), strict=True)
-  ]
-  n = sum(a.size for a, _ in pairs)
-  equal = sum(int(np.sum(a.view(np.int32) == b.view(np.int32))) for a, b in pairs)
-  rel = [np.abs(a - b) / max(float(np.sqrt(np.mean(a**2))), 1e-30) for a, b in pairs]
-  return {
-    "elements": n,
-    "bit_equal_share": equal / n,
-    "max_rel_diff": float(max(float(np.max(x)) for x in rel)),
-    "rms_rel_diff": float(np.sqrt(sum(float(np.sum(x**2)) for x in rel) / n)),
-  }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,25 +311,27 @@ def validation_top(results: dict[str, Any]) -> float:
 
 
 def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
-  """The figures (see the module docstring); returns their paths."""
+  """The figures of :data:`FIGURES` that the run has data for; returns their paths."""
   import matplotlib
 
   matplotlib.use("Agg")  # files only, no display needed
   import matplotlib.pyplot as plt
 
-  from jmp_lite import plotting
-
-  results = summary["results"]
   paths = []
-
-  def save(fig, name):
-    path = os.path.join(out, f"{example}_{name}.png")
+  for name, figure in FIGURES.items():
+    fig = figure(plt, summary)
+    if fig is None:
+      continue
+    paths.append(os.path.join(out, f"{example}_{name}.png"))
     fig.tight_layout()
-    fig.savefig(path, dpi=80, bbox_inches="tight")  # with legends outside the axes
+    fig.savefig(paths[-1], dpi=80, bbox_inches="tight")  # with legends outside the axes
     plt.close(fig)
-    paths.append(path)
+  return paths
 
-  # Loss curves: smoothed training loss and the validation points.
+
+def _loss_figure(plt: Any, summary: dict[str, Any]) -> Any:
+  """Smoothed training loss and the validation points, per recipe."""
+  results = summary["results"]
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   train = {name: _ema(r["train_loss"]) for name, r in results.items()}
   for name, r in results.items():
@@ -513,145 +352,149 @@ def write_plots(example: str, summary: dict[str, Any], out: str) -> list[str]:
       ax.text(0.98, 0.97, note, transform=ax.transAxes, ha="right", va="top", bbox=box)
   # One legend for both panels, right of them.
   fig.legend(*ax1.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5))
-  save(fig, "loss")
+  return fig
 
-  # fp8 against bf16 (issue 8): the same bf16 policy, only the Dense matmuls differ.
-  if "fp8" in results and "bf16" in results:
-    fp8_run, bf16 = results["fp8"], results["bf16"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in (("bf16", bf16), ("fp8", fp8_run)):
-      color = _style(name)["color"]
-      ax1.plot(_ema(r["train_loss"]), label=f"{name} train (EMA)", color=color)
-      ax1.plot(r["eval_steps"], r["val_loss"], "o--", color=color, label=f"{name} val")
-    ax1.set_ylim(top=1.3 * max(fp8_run["val_loss"][-1], bf16["val_loss"][-1]))
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("cross-entropy (nats)")
-    ax1.set_title("fp8 matmuls vs bf16")
-    ax1.legend(fontsize="small")
-    diff = np.asarray(fp8_run["train_loss"]) - np.asarray(bf16["train_loss"])
-    ax2.plot(diff, color="lightgray", linewidth=0.8, label="per step")
-    ax2.plot(_ema(diff), color=_style("fp8")["color"], label="EMA 0.1")
-    ax2.plot(
-      fp8_run["eval_steps"],
-      np.asarray(fp8_run["val_loss"]) - np.asarray(bf16["val_loss"]),
-      "o",
-      color="black",
-      label="validation",
-    )
-    ax2.axhline(0, color="gray", linewidth=0.8)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("fp8 loss - bf16 loss (nats)")
-    ax2.set_title("difference (same batches, same initialization)")
-    ax2.legend(fontsize="small")
-    save(fig, "fp8_vs_bf16")
 
-  if any(r.get("rounded_away") is not None for r in results.values()):
-    save(_low_precision_figure(plt, summary), "low_precision")
+def _fp8_figure(plt: Any, summary: dict[str, Any]) -> Any:
+  """fp8 against bf16: the same bf16 policy, only the Dense matmuls differ."""
+  results = summary["results"]
+  if "fp8" not in results or "bf16" not in results:
+    return None
+  fp8_run, bf16 = results["fp8"], results["bf16"]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  for name, r in (("bf16", bf16), ("fp8", fp8_run)):
+    color = _style(name)["color"]
+    ax1.plot(_ema(r["train_loss"]), label=f"{name} train (EMA)", color=color)
+    ax1.plot(r["eval_steps"], r["val_loss"], "o--", color=color, label=f"{name} val")
+  ax1.set_ylim(top=1.3 * max(fp8_run["val_loss"][-1], bf16["val_loss"][-1]))
+  ax1.set(xlabel="step", ylabel="cross-entropy (nats)", title="fp8 matmuls vs bf16")
+  ax1.legend(fontsize="small")
+  diff = np.asarray(fp8_run["train_loss"]) - np.asarray(bf16["train_loss"])
+  ax2.plot(diff, color="lightgray", linewidth=0.8, label="per step")
+  ax2.plot(_ema(diff), color=_style("fp8")["color"], label="EMA 0.1")
+  val_diff = np.asarray(fp8_run["val_loss"]) - np.asarray(bf16["val_loss"])
+  ax2.plot(fp8_run["eval_steps"], val_diff, "o", color="black", label="validation")
+  ax2.axhline(0, color="gray", linewidth=0.8)
+  ax2.set(xlabel="step", ylabel="fp8 loss - bf16 loss (nats)")
+  ax2.set_title("difference (same batches, same initialization)")
+  ax2.legend(fontsize="small")
+  return fig
 
-  # Loss-scale trajectories: fp16-dynamic with jmp_lite.plotting's own plot (skips marked),
-  # then the other scaled recipes (layer-wise: one line per stage).
+
+def _low_precision_or_none(plt: Any, summary: dict[str, Any]) -> Any:
+  if all(r.get("rounded_away") is None for r in summary["results"].values()):
+    return None
+  return _low_precision_figure(plt, summary)
+
+
+def _loss_scale_figure(plt: Any, summary: dict[str, Any]) -> Any:
+  """fp16-dynamic with jmp_lite.plotting's own plot (skips marked), then the other scaled
+  recipes (layer-wise: one line per stage)."""
+  from jmp_lite import plotting
+
+  results = summary["results"]
   dynamic = results.get("fp16-dynamic")
   others = {n: r for n, r in results.items() if r["loss_scale_kind"] in ("static", "layerwise")}
-  if dynamic or others:
-    panels = int(dynamic is not None) + int(bool(others))
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), sharey=True, squeeze=False)
-    axes = list(axes[0])
-    if dynamic:
-      skipped = np.zeros(len(dynamic["loss_scale"]), bool)
-      skipped[dynamic["skipped"]] = True
-      plotting.plot_loss_scale(
-        dynamic["loss_scale"],
-        skipped=skipped,
-        ax=axes.pop(0),
-        title="fp16-dynamic",
-        color=_style("fp16-dynamic")["color"],
-      )
-    if others:
-      ax = axes.pop(0)
-      curves = {}
-      for name, r in others.items():
-        stages = np.asarray(r["stage_scales"] or [[s] for s in r["loss_scale"]])
-        for k in range(stages.shape[1]):
-          label = f"{name} stage {k}" if stages.shape[1] > 1 else name
-          # Stages in the recipe's colour, told apart (and seen when equal) by line style.
-          style = _style(name) | {"linestyle": ("-", "--", ":", "-.")[k % 4]}
-          ax.step(np.arange(len(stages)), stages[:, k], where="post", label=label, **style)
-          curves[label] = stages[:, k]
-      ax.set_yscale("log", base=2)
-      ax.set_xlabel("step")
-      layerwise = any(r["stage_scales"] for r in others.values())
-      ax.set_title(" and ".join(others) + (" (one scale per stage)" if layerwise else ""))
-      note = _overlap_note(ax, curves, log2=True)
-      ax.legend(fontsize="small", title=note or None, title_fontsize="small")
-    save(fig, "loss_scale")
+  if not dynamic and not others:
+    return None
+  panels = int(dynamic is not None) + int(bool(others))
+  fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), sharey=True, squeeze=False)
+  axes = list(axes[0])
+  if dynamic:
+    skipped = np.zeros(len(dynamic["loss_scale"]), bool)
+    skipped[dynamic["skipped"]] = True
+    color = _style("fp16-dynamic")["color"]
+    plotting.plot_loss_scale(
+      dynamic["loss_scale"], skipped=skipped, ax=axes.pop(0), title="fp16-dynamic", color=color
+    )
+  if others:
+    _stage_scales_panel(axes.pop(0), others)
+  return fig
 
-  # Activation-gradient exponents against fp16's range (Micikevicius et al., Fig. 3).
+
+def _stage_scales_panel(ax: Any, runs: dict[str, Any]) -> None:
+  curves = {}
+  for name, r in runs.items():
+    stages = np.asarray(r["stage_scales"] or [[s] for s in r["loss_scale"]])
+    for k in range(stages.shape[1]):
+      label = f"{name} stage {k}" if stages.shape[1] > 1 else name
+      # Stages in the recipe's colour, told apart (and seen when equal) by line style.
+      style = _style(name) | {"linestyle": ("-", "--", ":", "-.")[k % 4]}
+      ax.step(np.arange(len(stages)), stages[:, k], where="post", label=label, **style)
+      curves[label] = stages[:, k]
+  ax.set_yscale("log", base=2)
+  ax.set_xlabel("step")
+  layerwise = any(r["stage_scales"] for r in runs.values())
+  ax.set_title(" and ".join(runs) + (" (one scale per stage)" if layerwise else ""))
+  note = _overlap_note(ax, curves, log2=True)
+  ax.legend(fontsize="small", title=note or None, title_fontsize="small")
+
+
+def _histogram_figure(plt: Any, summary: dict[str, Any]) -> Any:
+  """Activation-gradient exponents against fp16's range (Micikevicius et al., Fig. 3)."""
+  from jmp_lite import plotting
+
   act = summary.get("activation_gradients")
-  if act:
-    layers = common.stats_from_python(act["stats"])
-    pooled = {n: s for n, s in layers.items() if n in _leaf_layers(list(layers))}
-    scale = act["dynamic_scale"]
-    fig, axes = plt.subplots(1, 2 if scale else 1, figsize=(12 if scale else 6.5, 4))
-    axes = np.atleast_1d(axes)
-    plotting.plot_gradient_histogram(
-      pooled,
-      "float16",
-      loss_scale=1.0,
-      ax=axes[0],
-      title=f"activation gradients (fp32 run, step {act['step']}), no loss scale",
-    )
-    if scale:
-      plotting.plot_gradient_histogram(
-        pooled,
-        "float16",
-        loss_scale=scale,
-        ax=axes[1],
-        title=f"same values, loss scale {_fmt_scale(scale)} (fp16-dynamic's final)",
-      )
-    save(fig, "grad_histogram")
+  if not act:
+    return None
+  layers = common.stats_from_python(act["stats"])
+  pooled = {n: s for n, s in layers.items() if n in _leaf_layers(list(layers))}
+  scale = act["dynamic_scale"]
+  fig, axes = plt.subplots(1, 2 if scale else 1, figsize=(12 if scale else 6.5, 4))
+  axes = np.atleast_1d(axes)
+  title = f"activation gradients (fp32 run, step {act['step']}), no loss scale"
+  plotting.plot_gradient_histogram(pooled, "float16", loss_scale=1.0, ax=axes[0], title=title)
+  if scale:
+    title = f"same values, loss scale {_fmt_scale(scale)} (fp16-dynamic's final)"
+    plotting.plot_gradient_histogram(pooled, "float16", loss_scale=scale, ax=axes[1], title=title)
+  return fig
 
-    # Underflow per layer: unscaled, at the dynamic scale, and what the fp16 run lost.
-    names = _leaf_layers(list(layers))
-    at_scale = common.stats_from_python(act["stats_at_dynamic_scale"]) if scale else None
-    fp16 = results.get("fp16")
-    panels = 1 + (at_scale is not None) + (fp16 is not None)
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 0.3 * len(names) + 1.8))
-    axes = np.atleast_1d(axes)
-    plotting.plot_underflow_by_layer(
-      {n: layers[n] for n in names},
-      fields=("underflow_fraction", "subnormal_fraction"),
-      ax=axes[0],
-      title="activation gradients in fp16, no scale",
-    )
-    i = 1
-    if at_scale is not None:
-      plotting.plot_underflow_by_layer(
-        {n: at_scale[n] for n in names},
-        fields=("underflow_fraction", "subnormal_fraction"),
-        ax=axes[i],
-        title=f"... at loss scale {_fmt_scale(scale)}",
-      )
-      i += 1
-    if fp16 is not None:
-      # Parameter gradients that came out exactly zero at the last step, fp16 next to fp32:
-      # fp32 has zeros too (embedding rows of characters absent from the batch).
-      ax = axes[i]
-      runs = [(n, results[n]) for n in ("fp32", "fp16") if n in results]
-      param_layers = list(fp16["grad_stats"][max(fp16["grad_stats"], key=int)])
-      y = np.arange(len(param_layers))
-      for j, (name, r) in enumerate(runs):
-        last = r["grad_stats"][max(r["grad_stats"], key=int)]
-        values = [last[n]["zero_fraction"] for n in param_layers]
-        ax.barh(y + 0.4 * j, values, height=0.4, color=_style(name)["color"], label=name)
-      ax.set_yticks(y + 0.2 * (len(runs) - 1))
-      ax.set_yticklabels([n.removeprefix("params/") for n in param_layers])
-      ax.invert_yaxis()
-      ax.set_xlim(0, 1)
-      ax.set_xlabel("fraction of parameter-gradient values")
-      ax.set_title("parameter gradients exactly zero\n(last step of each run)")
-      ax.legend(fontsize="small", loc="lower right")
-    save(fig, "underflow")
-  return paths
+
+def _underflow_figure(plt: Any, summary: dict[str, Any]) -> Any:
+  """Underflow per layer: unscaled, at the dynamic scale, and what the fp16 run lost."""
+  from jmp_lite import plotting
+
+  act, results = summary.get("activation_gradients"), summary["results"]
+  if not act:
+    return None
+  layers = common.stats_from_python(act["stats"])
+  names = _leaf_layers(list(layers))
+  scale = act["dynamic_scale"]
+  panels = [("activation gradients in fp16, no scale", layers)]
+  if scale:
+    at_scale = common.stats_from_python(act["stats_at_dynamic_scale"])
+    panels.append((f"... at loss scale {_fmt_scale(scale)}", at_scale))
+  fp16 = "fp16" in results
+  height = 0.3 * len(names) + 1.8
+  fig, axes = plt.subplots(1, len(panels) + fp16, figsize=(5.2 * (len(panels) + fp16), height))
+  axes = np.atleast_1d(axes)
+  fields = ("underflow_fraction", "subnormal_fraction")
+  for ax, (title, stats) in zip(axes, panels, strict=False):
+    by_layer = {n: stats[n] for n in names}
+    plotting.plot_underflow_by_layer(by_layer, fields=fields, ax=ax, title=title)
+  if fp16:
+    _zero_gradients_panel(axes[-1], results)
+  return fig
+
+
+def _zero_gradients_panel(ax: Any, results: dict[str, Any]) -> None:
+  """Parameter gradients that came out exactly zero at the last step, fp16 next to fp32:
+  fp32 has zeros too (embedding rows of characters absent from the batch)."""
+  runs = [(n, results[n]) for n in ("fp32", "fp16") if n in results]
+  fp16 = results["fp16"]
+  param_layers = list(fp16["grad_stats"][max(fp16["grad_stats"], key=int)])
+  y = np.arange(len(param_layers))
+  for j, (name, r) in enumerate(runs):
+    last = r["grad_stats"][max(r["grad_stats"], key=int)]
+    values = [last[n]["zero_fraction"] for n in param_layers]
+    ax.barh(y + 0.4 * j, values, height=0.4, color=_style(name)["color"], label=name)
+  ax.set_yticks(y + 0.2 * (len(runs) - 1))
+  ax.set_yticklabels([n.removeprefix("params/") for n in param_layers])
+  ax.invert_yaxis()
+  ax.set_xlim(0, 1)
+  ax.set_xlabel("fraction of parameter-gradient values")
+  ax.set_title("parameter gradients exactly zero\n(last step of each run)")
+  ax.legend(fontsize="small", loc="lower right")
 
 
 def _low_precision_figure(plt: Any, summary: dict[str, Any]) -> Any:
@@ -660,7 +503,7 @@ def _low_precision_figure(plt: Any, summary: dict[str, Any]) -> Any:
   results = summary["results"]
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 5))
   for name, r in results.items():
-    share = rounded_away_share(r)
+    share = low_precision.rounded_away_share(r)
     if share is None:
       continue
     color = _style(name)["color"]
@@ -676,7 +519,7 @@ def _low_precision_figure(plt: Any, summary: dict[str, Any]) -> Any:
   config = common.TrainConfig(**summary["train"])
   schedule = common.make_schedule(config)
   lr_axis.plot(
-    [float(schedule(i)) for i in range(config.steps)],
+    jax.jit(jax.vmap(schedule))(np.arange(config.steps)),
     color="gray",
     linestyle="--",
     linewidth=0.8,
@@ -710,6 +553,18 @@ def _low_precision_figure(plt: Any, summary: dict[str, Any]) -> Any:
   else:
     ax2.set_axis_off()
   return fig
+
+
+FIGURES = {
+  "loss": _loss_figure,
+  "fp8_vs_bf16": _fp8_figure,
+  "low_precision": _low_precision_or_none,
+  "loss_scale": _loss_scale_figure,
+  "grad_histogram": _histogram_figure,
+  "underflow": _underflow_figure,
+}
+"""Figure name -> a function of (pyplot, the summary) drawing it, or returning None when the
+run has no data for it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -749,52 +604,92 @@ def _load_average() -> float | None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = build_parser().parse_args(argv)
   platform = common.select_platform(args.platform)
-  module = EXAMPLES[args.example]
-  model_config, train_config = common.resolve_configs(args, module.PRESETS, platform)
-  defaults = COMPARE_DEFAULTS.get(common.preset_name(args, platform), {})
-  train_config = dataclasses.replace(
-    train_config, **{k: v for k, v in defaults.items() if getattr(args, k) is None}
-  )
-  if args.replicas is None:
-    train_config = dataclasses.replace(
-      train_config, replicas=scenario_replicas(args.example, model_config)
-    )
+  task, model_config, config = configure(args, platform)
   recipes = [common.get_recipe(n) for n in recipe_names(args.recipes, args.example)]
   if len({r.name for r in recipes}) != len(recipes):
     raise SystemExit(f"A recipe is listed twice in {args.recipes!r} (half is one of them).")
-
   print(f"platform: {common.describe_platform()}")
-  task = (
-    charlm.CharLMTask(model_config, seed=train_config.seed)
-    if args.example == "charlm"
-    else digits.DigitsTask(model_config, seed=train_config.seed)
-  )
   local = "tokens" if args.example == "charlm" else "images"
   print(
-    f"example: {args.example}, {train_config.steps} steps, seed {train_config.seed}, "
-    f"replicas {train_config.replicas} (loss = sum over this batch / (replicas x batch {local}))"
+    f"example: {args.example}, {config.steps} steps, seed {config.seed}, replicas "
+    f"{config.replicas} (loss = sum over this batch / (replicas x batch {local}))"
   )
   load_before = _load_average()
   t0 = time.perf_counter()
+  results, masters, act_grads = train_recipes(task, recipes, config)
+  rounds, per_round = TIMING.get(common.preset_name(args, platform), TIMING["cpu"])
+  time_interleaved(results, rounds, per_round, config.progress)
+  activation = activation_summary(act_grads, results, config.steps)
+  wall = time.perf_counter() - t0
+
+  rows = table_rows(args.example, results)
+  tables = {f"{args.example}_compare.md": format_table(args.example, rows)}
+  print(f"\n{tables[f'{args.example}_compare.md']}")
+  print(table_notes(rows, rounds, per_round, task.stages))
+  bf16_params = None
+  if any(r.name in common.LOW_PRECISION_RECIPES for r in recipes):
+    bf16_params = low_precision.report(args.example, results, masters)
+    tables[f"{args.example}_low_precision.md"] = bf16_params.pop("markdown")
+  print(f"\n{len(recipes)} recipes in {wall:.0f} s")
+  summary = {
+    "example": args.example,
+    "command": "python -m examples.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "platform": common.describe_platform(),
+    "model": dataclasses.asdict(model_config),
+    "train": {k: v for k, v in dataclasses.asdict(config).items() if k != "progress"},
+    "wall_s": wall,
+    # Other processes on the machine make the step times noisy: this says how busy it was.
+    "load_average_1min": {"before": load_before, "after": _load_average()},
+    "versions": _versions(),
+    "table": rows,
+    "results": {n: r.as_dict() for n, r in results.items()},
+    "activation_gradients": activation,
+  }
+  if bf16_params is not None:
+    summary["low_precision"] = bf16_params
+  written = write_outputs(args, summary, tables)
+  print("wrote " + ", ".join(written))
+  return summary
+
+
+def configure(args: argparse.Namespace, platform: str) -> tuple[Any, Any, common.TrainConfig]:
+  """(the task, its model configuration, the training configuration) of the command line:
+  the example's preset, the comparison's defaults (:data:`COMPARE_DEFAULTS`, the underflow
+  scenario's replicas), then the flags given."""
+  module = EXAMPLES[args.example]
+  model_config, config = common.resolve_configs(args, module.PRESETS, platform)
+  defaults = COMPARE_DEFAULTS.get(common.preset_name(args, platform), {})
+  config = dataclasses.replace(
+    config, **{k: v for k, v in defaults.items() if getattr(args, k) is None}
+  )
+  if args.replicas is None:
+    config = dataclasses.replace(config, replicas=scenario_replicas(args.example, model_config))
+  if args.example == "charlm":
+    task = charlm.CharLMTask(model_config, seed=config.seed)
+  else:
+    task = digits.DigitsTask(model_config, seed=config.seed)
+  return task, model_config, config
+
+
+def train_recipes(task: Any, recipes: Sequence[common.Recipe], config: common.TrainConfig):
+  """Trains every recipe: (results by name, the fp32 values of the split's parameters and of
+  its references, the trained fp32 model's activation gradients or None)."""
   results: dict[str, common.RunResult] = {}
-  activation: dict[str, Any] | None = None
-  act_grads = None
-  # fp32 values of the parameters after training, for the split's exactness (a copy: the
-  # timing below donates the final state).
   masters: dict[str, Any] = {}
+  act_grads = None
   for recipe in recipes:
-    keep = recipe.name in ("fp32", *SPLIT_REFERENCES, "bf16-split")
-    result = common.train(task, recipe, train_config, keep_state=keep)
-    if recipe.name in (*SPLIT_REFERENCES, "bf16-split"):
+    keep = recipe.name in ("fp32", *low_precision.SPLIT_REFERENCES, "bf16-split")
+    result = common.train(task, recipe, config, keep_state=keep)
+    if recipe.name in (*low_precision.SPLIT_REFERENCES, "bf16-split"):
+      # A copy: the timing donates the final state.
       masters[recipe.name] = jax.device_get(result.state[0])
-      result.state = None
     if recipe.name == "fp32":
       # Activation gradients of the trained fp32 model (the true values) on a fresh batch.
       params, model_state = result.state
-      act_grads = common.activation_gradients(
-        task, params, model_state, task.train_batch(train_config.steps), train_config
-      )
-      result.state = None
+      batch = task.train_batch(config.steps)
+      act_grads = common.activation_gradients(task, params, model_state, batch, config)
+    result.state = None
     results[recipe.name] = result
     print(
       f"  {recipe.name:15s} val loss {result.final['val_loss']:.3f}  "
@@ -802,12 +697,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       f"(10th percentile)  compile {result.compile_s:.1f} s",
       flush=True,
     )
-  # Step times: the training loops above ran one after the other, so a change in the load
-  # from other processes lands on some recipes only. Time more steps with the recipes
-  # interleaved, round by round, so that such changes affect all alike.
-  rounds, per_round = TIMING.get(common.preset_name(args, platform), TIMING["cpu"])
+  return results, masters, act_grads
+
+
+def time_interleaved(
+  results: dict[str, common.RunResult], rounds: int, per_round: int, show: bool
+) -> None:
+  """Sets each result's step time to the median of more steps timed with the recipes
+  interleaved, round by round: the training loops ran one after the other, so a change in
+  the load from other processes landed on some recipes only; here it lands on all alike."""
   timed: dict[str, list[float]] = {name: [] for name in results}
-  for _ in common.progress(range(rounds), train_config.progress, desc="timing"):
+  for _ in common.progress(range(rounds), show, desc="timing"):
     for name, result in results.items():
       timed[name] += result.run_more(per_round)
   for name, result in results.items():
@@ -819,92 +719,63 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       interleaved_steps=len(timed[name]),
     )
     result.run_more = None  # frees the compiled step and its state
-  if act_grads is not None:
-    dynamic = results.get("fp16-dynamic")
-    scale = dynamic.loss_scale[-1] if dynamic else None
-    stats = jax.device_get(
-      jl.diagnostics.gradient_statistics(act_grads, format="float16", group_by="leaf")
-    )
-    activation = {
-      "step": train_config.steps,
-      "what": "gradient of the training loss w.r.t. each module's output, fp32 run, final params",
-      "stats": common.stats_to_python(stats),
-      "dynamic_scale": scale,
-      "stats_at_dynamic_scale": common.stats_to_python(
-        jax.device_get(
-          jl.diagnostics.gradient_statistics(
-            act_grads, loss_scale=scale, format="float16", group_by="leaf"
-          )
-        )
-      )
-      if scale
-      else None,
-    }
-  wall = time.perf_counter() - t0
 
-  rows = table_rows(args.example, results)
-  table = format_table(args.example, rows)
-  print()
-  print(table)
-  print(table_notes(rows, rounds, per_round, task.stages))
-  low_precision = None
-  if any(r.name in common.LOW_PRECISION_RECIPES for r in recipes):
-    as_dicts = {n: r.as_dict() for n, r in results.items()}
-    low_precision = {"table": low_precision_rows(args.example, as_dicts)}
-    for name in SPLIT_REFERENCES:
-      if name in masters and "bf16-split" in masters:
-        low_precision[f"split_vs_{name}"] = compare_masters(masters[name], masters["bf16-split"])
-    low_table = format_low_precision_table(args.example, low_precision["table"])
-    print()
-    print(low_table)
-    for name in SPLIT_REFERENCES:
-      if f"split_vs_{name}" in low_precision:
-        d = low_precision[f"split_vs_{name}"]
-        print(
-          f"bf16-split's fp32 parameters against {name}'s: {100 * d['bit_equal_share']:.2f}% of "
-          f"{d['elements']:,} bit for bit equal, difference {d['rms_rel_diff']:.2e} rms, "
-          f"{d['max_rel_diff']:.2e} at most (relative to each tensor's rms)"
-        )
-  print(f"\n{len(recipes)} recipes in {wall:.0f} s")
 
-  summary = {
-    "example": args.example,
-    "command": "python -m examples.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
-    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    "platform": common.describe_platform(),
-    "model": dataclasses.asdict(model_config),
-    "train": {k: v for k, v in dataclasses.asdict(train_config).items() if k not in ("progress",)},
-    "wall_s": wall,
-    # Other processes on the machine make the step times noisy: this says how busy it was.
-    "load_average_1min": {"before": load_before, "after": _load_average()},
-    "versions": {
-      "python": platform_lib.python_version(),
-      "jax": jax.__version__,
-      "flax": flax.__version__,
-      "optax": optax.__version__,
-      "jmp_lite": jl.__version__,
-    },
-    "table": rows,
-    "results": {n: r.as_dict() for n, r in results.items()},
-    "activation_gradients": activation,
+def activation_summary(
+  act_grads: Any, results: dict[str, common.RunResult], steps: int
+) -> dict[str, Any] | None:
+  """The activation gradients' statistics in fp16, unscaled and at fp16-dynamic's final
+  scale (JSON-ready), or None without an fp32 run."""
+  if act_grads is None:
+    return None
+  dynamic = results.get("fp16-dynamic")
+  scale = dynamic.loss_scale[-1] if dynamic else None
+
+  # One compilation for both scales (run eagerly, every operation would compile on its own).
+  statistics_at = jax.jit(
+    lambda grads, loss_scale: jl.diagnostics.gradient_statistics(
+      grads, loss_scale=loss_scale, format="float16", group_by="leaf"
+    ),
+    compiler_options=common.FAST_COMPILE,
+  )
+
+  def stats(loss_scale):
+    found = statistics_at(act_grads, jnp.float32(loss_scale))
+    return common.stats_to_python(jax.device_get(found))
+
+  return {
+    "step": steps,
+    "what": "gradient of the training loss w.r.t. each module's output, fp32 run, final params",
+    "stats": stats(1.0),
+    "dynamic_scale": scale,
+    "stats_at_dynamic_scale": stats(scale) if scale else None,
   }
-  if low_precision is not None:
-    summary["low_precision"] = low_precision
+
+
+def _versions() -> dict[str, str]:
+  return {
+    "python": platform_lib.python_version(),
+    "jax": jax.__version__,
+    "flax": flax.__version__,
+    "optax": optax.__version__,
+    "jmp_lite": jl.__version__,
+  }
+
+
+def write_outputs(args: argparse.Namespace, summary: dict[str, Any], tables: dict) -> list[str]:
+  """The JSON (floats to 6 digits), the tables and the figures; returns their paths."""
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"{args.example}_compare.json")
-  with open(path, "w") as f:
+  written = [os.path.join(args.out, f"{args.example}_compare.json")]
+  with open(written[0], "w") as f:
     json.dump(_rounded(summary), f, separators=(",", ":"))
-  with open(os.path.join(args.out, f"{args.example}_compare.md"), "w") as f:
-    f.write(table + "\n")
-  written = [path]
-  if low_precision is not None:
-    written.append(os.path.join(args.out, f"{args.example}_low_precision.md"))
-    with open(written[-1], "w") as f:
-      f.write(low_table + "\n")
+  for name, table in tables.items():
+    with open(os.path.join(args.out, name), "w") as f:
+      f.write(table + "\n")
+    if name.endswith("_low_precision.md"):
+      written.append(os.path.join(args.out, name))
   if not args.no_plots:
     written += write_plots(args.example, summary, args.out)
-  print("wrote " + ", ".join(written))
-  return summary
+  return written
 
 
 if __name__ == "__main__":

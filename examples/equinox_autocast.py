@@ -11,8 +11,8 @@ The loss scale starts at 2^24 on purpose: the first steps' fp16 gradients overfl
 steps are skipped (zero updates, Adam's state untouched) and the scale halves until they
 are finite; it then doubles after every ``--period`` finite steps. ``--precision fp32`` runs
 the same script without 16-bit arithmetic (the reference), ``bf16`` with bf16 operands and no
-loss scale. The data is ``examples.digits.load_data`` (bundled with scikit-learn, no
-download): 1,437 training and 360 validation images.
+loss scale. The data is scikit-learn's bundled 8x8 digits (nothing is downloaded): 1,437
+training and 360 validation images.
 
 Run: python -m examples.equinox_autocast                  (fp16, 100 steps, a few seconds)
      python -m examples.equinox_autocast --precision fp32
@@ -31,13 +31,24 @@ import numpy as np
 import optax
 
 import jmp_lite as jl
-from examples.digits import load_data
 
 POLICIES = {
   "fp32": "float32",
   "bf16": "params=float32,compute=bfloat16,output=float32",
   "fp16": "params=float32,compute=float16,output=float32",
 }
+
+
+def load_digits() -> tuple[np.ndarray, ...]:
+  """(train images, train labels, validation images, validation labels): 1,437 / 360."""
+  from sklearn.datasets import load_digits as sklearn_digits
+  from sklearn.model_selection import train_test_split
+
+  digits = sklearn_digits()
+  x = (digits.data / 16.0).astype(np.float32)  # 64 pixels in [0, 1]
+  y = digits.target.astype(np.int32)
+  x_train, x_val, y_train, y_val = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
+  return x_train, y_train, x_val, y_val
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = build_parser().parse_args(argv)
   policy = jl.get_policy(POLICIES[args.precision])
-  x_train, y_train, x_val, y_val = (np.asarray(a) for a in load_data())
-  x_train, x_val = x_train.reshape(len(x_train), -1), x_val.reshape(len(x_val), -1)
+  x_train, y_train, x_val, y_val = load_digits()
 
   model = eqx.nn.MLP(64, 10, 64, 2, key=jax.random.key(args.seed))
   if args.precision == "fp16":
