@@ -26,10 +26,10 @@ _F32 = np.dtype(np.float32)
 # The modules' own matmuls already run as their class decides (jmp_lite's kernels on 16-bit
 # operands, the fp32 output layer): the table leaves them as written. A product with a
 # broadcast 16-bit value (a hand-written norm's scale, a ``keepdims`` statistic) has its
-# gradient summed in fp32, as under autocast: the class table's modules multiply by none (their
-# norms are fp32, their attention scales by a division). Other broadcasts keep JAX's 16-bit sum:
-# a bias add is a Flax module's (Dense, Conv), whose gradient Flax's own ``dtype=bfloat16`` sums
-# in bf16 and reduces across devices in bf16 (``grad_reduction_dtype`` decides that).
+# gradient summed in fp32, as under autocast: under the default overrides the class table's
+# modules multiply by none (their norms are fp32, their attention scales by a division).
+# Other broadcasts keep JAX's 16-bit sum: a bias add is a Flax module's (Dense, Conv), whose
+# gradient Flax's own ``dtype=bfloat16`` sums, and reduces across devices, in bf16.
 MODULE_TABLE = {
   **{
     name: "input" if rule in ("compute", "sum_grad_float32") else rule
