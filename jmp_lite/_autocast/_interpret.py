@@ -150,90 +150,14 @@ class _NestedPrograms:
     return jax.make_jaxpr(body)(*specs)
 
 
-class Interpreter(_NestedPrograms):
-  """Evaluates jaxprs under a :class:`Config`.
+class _Rules:
+  """How each rule of the table computes an equation, given its operands' :class:`Value`.
 
-  Args:
-    config: the compute dtype, table and scope overrides.
-    region: whether every floating operation runs in fp32 (a known rule replaced).
+  A mixin of :class:`Interpreter`, which provides ``config`` and ``region``.
   """
 
-  def __init__(self, config: Config, region: bool = False):
-    self.config = config
-    # In an fp32 region every floating operation runs in fp32, and a cast the region's code
-    # writes to 16 bits keeps the unrounded value for the region's fp32 consumers.
-    self.region = region
-
-  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Value], prefix: Any) -> list:
-    """Evaluates ``jaxpr``; returns the :class:`Value` of each of its outputs.
-
-    Args:
-      jaxpr: a ``jax.extend.core.Jaxpr``.
-      consts: the values of its constvars.
-      args: the values of its invars.
-      prefix: the name stack its equations' name stacks are relative to.
-    """
-    from jax._src import source_info_util  # the name stack of each equation, kept
-
-    env: dict[Any, Value] = {}
-    env.update((v, Value(c)) for v, c in zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-
-    def read(atom: Any) -> Value:
-      return Value(atom.val) if _jaxpr.is_literal(atom) else env[atom]
-
-    for eqn in jaxpr.eqns:
-      info = eqn.source_info
-      names = prefix + info.name_stack
-      # Each equation in the context it was traced in (its mesh, compute_on, XLA metadata),
-      # as jax.core.eval_jaxpr replays it.
-      with source_info_util.user_context(info.traceback, name_stack=names), eqn.ctx.manager:
-        outs = self._eqn(eqn, [read(a) for a in eqn.invars], names)
-      for var, value in zip(eqn.outvars, outs, strict=True):
-        if not isinstance(var, _jaxpr.extend_core().DropVar):
-          env[var] = value
-    return [read(v) for v in jaxpr.outvars]
-
-  def _rule(self, eqn: Any, names: Any) -> tuple[str, np.dtype | None]:
-    if self.region:
-      return ("cast", None) if eqn.primitive.name == "convert_element_type" else ("scope", _F32)
-    scope = str(names)
-    if FULL_PRECISION_SCOPE in scope:
-      return "input", None  # full_precision's operations are fp32 in the program already
-    table = self.config.table.get(eqn.primitive.name, "input")
-    dtype = _scope_dtype(self.config, scope)
-    if dtype is None:
-      return table, None
-    # Under a scope, the program's casts stay casts (from the unrounded value, as elsewhere).
-    return ("cast", None) if table == "cast" else ("scope", dtype)
-
-  def _eqn(self, eqn: Any, ins: list[Value], names: Any) -> list[Value]:
-    name = eqn.primitive.name
-    if name in _CALLS:
-      closed = eqn.params["jaxpr"]
-      return self.run(closed.jaxpr, closed.consts, ins, names)
-    if name in _USER_RULES:
-      if _jax_nn_rule(eqn) in _SOFTMAX_RULES:
-        return self._fp32_region(eqn, ins)
-      return self._bind(eqn, [v.narrow for v in ins])
-    if name in _CHECKPOINTS:
-      return self._checkpoint(eqn, ins)
-    if name == "shard_map":
-      return self._shard_map(eqn, ins)
-    if name in _REWRITTEN_SUBJAXPRS:
-      return self._bind(eqn, [v.narrow for v in ins], self._rewrite_params(eqn.params))
-    rule, dtype = self._rule(eqn, names)
-    if rule == "compute":
-      return self._compute(eqn, ins)
-    if rule == "float32":
-      return self._at(eqn, ins, _F32, recompute=name not in LINEAR)
-    if rule == "scope" and dtype is not None:
-      return self._at(eqn, ins, dtype, recompute=False)
-    if rule == "cast":
-      return self._convert(eqn, ins)
-    if rule == "sum_grad_float32":
-      return self._summing_in_fp32(eqn, ins)
-    return self._eqn_as_input(eqn, ins)
+  config: Config
+  region: bool
 
   def _eqn_as_input(self, eqn: Any, ins: list[Value]) -> list[Value]:
     """The equation at the dtypes of the program; a move carries the unrounded value along."""
@@ -242,8 +166,6 @@ class Interpreter(_NestedPrograms):
       (wide,) = self._bind(eqn, [ins[0].wide])
       outs = [Value(outs[0].narrow, wide.narrow)]
     return outs
-
-  # The rules.
 
   def _bind(self, eqn: Any, args: list[Any], params: dict | None = None) -> list[Value]:
     params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
@@ -348,6 +270,94 @@ class Interpreter(_NestedPrograms):
       return [Value(value.wide, value.wide)]
     (rounded,) = self._bind(eqn, [value.wide])
     return [Value(rounded.narrow, value.wide if self.region else None)]
+
+
+class Interpreter(_Rules, _NestedPrograms):
+  """Evaluates jaxprs under a :class:`Config`: each equation dispatched to its rule
+  (:class:`_Rules`) or, for a higher-order primitive, to the replay of its body
+  (:class:`_NestedPrograms`).
+
+  Args:
+    config: the compute dtype, table and scope overrides.
+    region: whether every floating operation runs in fp32 (a known rule replaced).
+  """
+
+  def __init__(self, config: Config, region: bool = False):
+    self.config = config
+    # In an fp32 region every floating operation runs in fp32, and a cast the region's code
+    # writes to 16 bits keeps the unrounded value for the region's fp32 consumers.
+    self.region = region
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Value], prefix: Any) -> list:
+    """Evaluates ``jaxpr``; returns the :class:`Value` of each of its outputs.
+
+    Args:
+      jaxpr: a ``jax.extend.core.Jaxpr``.
+      consts: the values of its constvars.
+      args: the values of its invars.
+      prefix: the name stack its equations' name stacks are relative to.
+    """
+    from jax._src import source_info_util  # the name stack of each equation, kept
+
+    env: dict[Any, Value] = {}
+    env.update((v, Value(c)) for v, c in zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(atom: Any) -> Value:
+      return Value(atom.val) if _jaxpr.is_literal(atom) else env[atom]
+
+    for eqn in jaxpr.eqns:
+      info = eqn.source_info
+      names = prefix + info.name_stack
+      # Each equation in the context it was traced in (its mesh, compute_on, XLA metadata),
+      # as jax.core.eval_jaxpr replays it.
+      with source_info_util.user_context(info.traceback, name_stack=names), eqn.ctx.manager:
+        outs = self._eqn(eqn, [read(a) for a in eqn.invars], names)
+      for var, value in zip(eqn.outvars, outs, strict=True):
+        if not isinstance(var, _jaxpr.extend_core().DropVar):
+          env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+  def _rule(self, eqn: Any, names: Any) -> tuple[str, np.dtype | None]:
+    if self.region:
+      return ("cast", None) if eqn.primitive.name == "convert_element_type" else ("scope", _F32)
+    scope = str(names)
+    if FULL_PRECISION_SCOPE in scope:
+      return "input", None  # full_precision's operations are fp32 in the program already
+    table = self.config.table.get(eqn.primitive.name, "input")
+    dtype = _scope_dtype(self.config, scope)
+    if dtype is None:
+      return table, None
+    # Under a scope, the program's casts stay casts (from the unrounded value, as elsewhere).
+    return ("cast", None) if table == "cast" else ("scope", dtype)
+
+  def _eqn(self, eqn: Any, ins: list[Value], names: Any) -> list[Value]:
+    name = eqn.primitive.name
+    if name in _CALLS:
+      closed = eqn.params["jaxpr"]
+      return self.run(closed.jaxpr, closed.consts, ins, names)
+    if name in _USER_RULES:
+      if _jax_nn_rule(eqn) in _SOFTMAX_RULES:
+        return self._fp32_region(eqn, ins)
+      return self._bind(eqn, [v.narrow for v in ins])
+    if name in _CHECKPOINTS:
+      return self._checkpoint(eqn, ins)
+    if name == "shard_map":
+      return self._shard_map(eqn, ins)
+    if name in _REWRITTEN_SUBJAXPRS:
+      return self._bind(eqn, [v.narrow for v in ins], self._rewrite_params(eqn.params))
+    rule, dtype = self._rule(eqn, names)
+    if rule == "compute":
+      return self._compute(eqn, ins)
+    if rule == "float32":
+      return self._at(eqn, ins, _F32, recompute=name not in LINEAR)
+    if rule == "scope" and dtype is not None:
+      return self._at(eqn, ins, dtype, recompute=False)
+    if rule == "cast":
+      return self._convert(eqn, ins)
+    if rule == "sum_grad_float32":
+      return self._summing_in_fp32(eqn, ins)
+    return self._eqn_as_input(eqn, ins)
 
   def _fp32_region(self, eqn: Any, ins: list[Value]) -> list[Value]:
     """A known rule (softmax) replaced by its primal computed in fp32 from its operands,

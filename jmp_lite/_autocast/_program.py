@@ -24,12 +24,18 @@ from jmp_lite._autocast._table import AUTOCAST_TABLE
 _F32 = np.dtype(np.float32)
 
 # The modules' own matmuls already run as their class decides (jmp_lite's kernels on 16-bit
-# operands, the fp32 output layer): the table leaves them as written. So are the gradient sums
-# of broadcasts: summed in fp32 they would reduce every bias gradient across devices in fp32
-# and add fp32 tangents to the program, beyond what the class table's figures allow.
+# operands, the fp32 output layer): the table leaves them as written. A product with a
+# broadcast 16-bit value (a hand-written norm's scale, a ``keepdims`` statistic) has its
+# gradient summed in fp32, as under autocast: under the default overrides the class table's
+# modules multiply by none (their norms are fp32, their attention scales by a division).
+# Other broadcasts keep JAX's 16-bit sum: a bias add is a Flax module's (Dense, Conv), whose
+# gradient Flax's own ``dtype=bfloat16`` sums, and reduces across devices, in bf16.
 MODULE_TABLE = {
-  name: "input" if rule in ("compute", "sum_grad_float32") else rule
-  for name, rule in AUTOCAST_TABLE.items()
+  **{
+    name: "input" if rule in ("compute", "sum_grad_float32") else rule
+    for name, rule in AUTOCAST_TABLE.items()
+  },
+  "mul": "sum_grad_float32",
 }
 
 

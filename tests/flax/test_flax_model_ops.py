@@ -226,6 +226,54 @@ def test_nnx_view_runs_the_models_own_operations_in_fp32_and_updates_its_state()
   assert rel_error(nnx.state(grads), nnx.state(results[False]["loss_grads"][1])) < 5e-2
 
 
+def _scale_gradient_summed_in_fp32(x, w):
+  """The gradient of ``sum(rmsnorm(x) * w)`` w.r.t. a bf16 scale, summed as the table sums it.
+
+  ``x`` has entries +-1, so the normalized rows are ``x`` exactly (mean 1, ``rsqrt`` 1 in
+  bf16); the cotangent reaching the product is ``w`` rounded to bf16 (the output cast's
+  transpose). Their bf16 products summed over the rows in fp32, rounded once to bf16.
+  """
+  terms = (w.astype(jnp.bfloat16) * x.astype(jnp.bfloat16)).astype(F32)
+  return terms.reshape(-1, x.shape[-1]).sum(0).astype(jnp.bfloat16).astype(F32)
+
+
+def _norm_inputs():
+  # 512 rows: a bf16 sum of them (8 significant bits) drops what the fp32 sum keeps.
+  signs = jax.random.rademacher(jax.random.key(0), (4, 128, WIDTH), F32)
+  return signs, jax.random.normal(jax.random.key(1), (4, 128, WIDTH))
+
+
+def test_a_hand_written_norms_scale_gradient_sums_in_fp32_linen():
+  model, (x, w) = RMSNorm(), _norm_inputs()
+  variables = model.init(jax.random.key(0), x)
+
+  def scale_grad(**options):
+    apply_fn = jlf.policy_apply(model, "p=f32,c=bf16,o=f32", **options)
+    grads = jax.jit(jax.grad(lambda v: jnp.sum(apply_fn(v, x) * w)))(variables)
+    return grads["params"]["scale"]
+
+  expected = _scale_gradient_summed_in_fp32(x, w)
+  ours = scale_grad()
+  assert ours.dtype == F32
+  np.testing.assert_array_equal(ours, expected)
+  # The test can fail: without the table JAX sums the 512 bf16 products in bf16.
+  assert not np.array_equal(scale_grad(op_table=False), expected)
+
+
+def test_a_hand_written_norms_scale_gradient_sums_in_fp32_nnx():
+  model, (x, w) = NnxRMSNorm(WIDTH), _norm_inputs()
+
+  def scale_grad(op_table):
+    loss = lambda m: jnp.sum(jlf.policy_view(m, "p=f32,c=bf16,o=f32", op_table=op_table)(x) * w)
+    return nnx.grad(loss)(model).scale[...]
+
+  expected = _scale_gradient_summed_in_fp32(x, w)
+  ours = scale_grad(True)
+  assert ours.dtype == F32
+  np.testing.assert_array_equal(ours, expected)
+  assert not np.array_equal(scale_grad(False), expected)
+
+
 def test_the_option_is_checked_and_part_of_the_configuration():
   policies = jlf.ModulePolicies("p=f32,c=bf16,o=f32")
   assert policies.op_table and policies != jlf.ModulePolicies(policies.policy, op_table=False)
