@@ -248,7 +248,7 @@ def test_a_hand_written_norms_scale_gradient_sums_in_fp32_linen():
   variables = model.init(jax.random.key(0), x)
 
   def scale_grad(**options):
-    apply_fn = jlf.policy_apply(model, "p=f32,c=bf16,o=f32", **options)
+    apply_fn = jlf.policy_apply(model, jlf.ModulePolicies("p=f32,c=bf16,o=f32", **options))
     grads = jax.jit(jax.grad(lambda v: jnp.sum(apply_fn(v, x) * w)))(variables)
     return grads["params"]["scale"]
 
@@ -264,7 +264,8 @@ def test_a_hand_written_norms_scale_gradient_sums_in_fp32_nnx():
   model, (x, w) = NnxRMSNorm(WIDTH), _norm_inputs()
 
   def scale_grad(op_table):
-    loss = lambda m: jnp.sum(jlf.policy_view(m, "p=f32,c=bf16,o=f32", op_table=op_table)(x) * w)
+    policies = jlf.ModulePolicies("p=f32,c=bf16,o=f32", op_table=op_table)
+    loss = lambda m: jnp.sum(jlf.policy_view(m, policies)(x) * w)
     return nnx.grad(loss)(model).scale[...]
 
   expected = _scale_gradient_summed_in_fp32(x, w)
