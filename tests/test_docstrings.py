@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from package_testing import NAMESPACES
 
 import jmp_lite
+
+from .package_testing import NAMESPACES
 
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 GLOBALS = {"jax": jax, "jnp": jnp, "np": np, "optax": optax, "jl": jmp_lite}

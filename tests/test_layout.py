@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 import pytest
-from package_testing import NAMESPACES
+
+from .package_testing import NAMESPACES
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jmp_lite"
 SOURCES = sorted(PACKAGE.rglob("*.py"))

@@ -4,10 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax_testing import LinenBlock, LinenLM, jit, lm_loss, tokens
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
+
+from .flax_testing import LinenBlock, LinenLM, jit, lm_loss, tokens
 
 F16_POLICY = "params=float32,compute=float16,output=float32"
 

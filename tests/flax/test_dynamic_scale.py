@@ -21,12 +21,13 @@ import pytest
 from flax import serialization, struct
 from flax.training import dynamic_scale as flax_lib
 from flax.training import train_state
-from flax_testing import jit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jmp_lite.flax as jlf
 from jmp_lite.flax import dynamic_scale as ours_lib
+
+from .flax_testing import jit
 
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = float(np.finfo(np.float32).tiny)

@@ -4,7 +4,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_testing import (
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+
+from .flax_testing import (
   F32,
   NnxConvNet,
   NnxLM,
@@ -16,9 +20,6 @@ from flax_testing import (
   nnx_model,
   tokens,
 )
-
-import jmp_lite as jl
-import jmp_lite.flax as jlf
 
 F16_POLICY = "params=float32,compute=float16,output=float32"
 
