@@ -21,8 +21,14 @@ import pytest
 from jax import lax
 
 import jmp_lite as jl
-from jmp_lite import AUDIT_CHECKS, AuditConfig, audit, audit_jaxpr
-from jmp_lite._transform import loss_scaling, scaled_value_and_grad
+from jmp_lite import (
+  AUDIT_CHECKS,
+  AuditConfig,
+  audit,
+  audit_jaxpr,
+  loss_scaling,
+  scaled_value_and_grad,
+)
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 E4M3 = jnp.float8_e4m3fn

@@ -13,9 +13,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import jmp_lite as jl
-from jmp_lite import _jaxpr
+from jmp_lite import _jaxpr, loss_scaling, scaled_value_and_grad
 from jmp_lite import diagnostics as diag
-from jmp_lite._transform import loss_scaling, scaled_value_and_grad
 
 F16 = jnp.float16
 
