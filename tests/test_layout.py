@@ -5,10 +5,12 @@ modules are the namespaces, and no module imports another module's ``_name``. La
 flow one way (dtypes -> policy -> loss scales -> transform -> layer-wise/fp8/checks -> flax),
 and only ``jmp_lite/flax`` imports Flax. Weight: ``import jmp_lite`` imports nothing that
 ``import jax, optax`` does not. Scripts: benchmarks and examples never assign into jmp_lite.
+Tests: each test file is named after the module it tests, or is a listed topic.
 """
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -164,3 +166,85 @@ def test_scripts_pass_what_they_need_instead_of_patching_jmp_lite(path):
       name = node.args[0] if node.args else None
       if isinstance(name, ast.Constant) and str(name.value).startswith("jmp_lite"):
         raise AssertionError(f"line {node.lineno}: imports {name.value} by name")
+
+
+# Tests mirror modules: tests/test_X.py tests jmp_lite/_X.py (or the package jmp_lite/_X/),
+# tests/flax/test_X.py tests jmp_lite/flax/_X.py, and tests/test_P_X.py the module X of the
+# package P (tests/test_fp8_recipes.py for jmp_lite/fp8/_recipes.py). A test file named after no
+# module is a topic, listed here with what it covers (docs/development.md, "The layout").
+TESTS = pathlib.Path(__file__).resolve().parent
+TOPICS = {
+  "test_api_reference.py": "the API reference pages list every public name once",
+  "test_autocast_frameworks.py": "autocast on Flax linen and NNX, Equinox and Haiku models",
+  "test_autocast_models.py": "autocast on whole models against hand-written 16-bit versions",
+  "test_autocast_overrides.py": "autocast's per-class overrides (Equinox, Haiku)",
+  "test_deviceless_benchmark.py": "benchmarks/deviceless.py",
+  "test_docs.py": "the guides' code blocks run",
+  "test_docstrings.py": "the docstrings' examples run",
+  "test_examples.py": "the scripts of examples/",
+  "test_fp8_benchmarks.py": "benchmarks/fp8_recipe_errors.py and benchmarks/fp8_training.py",
+  "test_gpu_benchmark.py": "benchmarks/gpu.py",
+  "test_jmp_compat.py": "a jmp user's code runs unchanged",
+  "test_layerwise_experiment.py": "the layer-wise experiment and benchmark scripts",
+  "test_layout.py": "the package's and the tests' layout",
+  "test_low_precision_params_benchmark.py": "benchmarks/low_precision_params.py",
+  "test_mpx_compat.py": "the same results as mixed-precision-for-jax",
+  "test_multiprocess.py": "two processes under jax.distributed",
+  "test_package.py": "the public API, the README's Quickstart and CI agree",
+  "test_packaging.py": "the sdist and the wheel",
+  "test_static_checks.py": "ruff, mypy, the docs build and the test tiers",
+  "flax/test_data_parallel.py": "axis_name on TrainState and Optimizer, on 8 devices",
+  "flax/test_differential.py": "every op the Flax policy substitutes, against Flax's own",
+  "flax/test_fp8_decoder.py": "a causal decoder trained in fp8",
+  "flax/test_lifted.py": "Flax's lifted transforms inside a model",
+  "flax/test_low_precision_params.py": "bf16 parameters through TrainState, Optimizer and orbax",
+  "flax/test_memory_benchmark.py": "benchmarks/memory.py",
+  "flax/test_model_ops.py": "the op table on the ops a model writes itself",
+  "flax/test_proxies_benchmark.py": "benchmarks/proxies.py",
+  "flax/test_sharding.py": "policy_apply with FSDP-sharded parameters, on 8 devices",
+}
+# Files under tests/ that hold no tests: helpers that tests import, and scripts run by path.
+HELPER = re.compile(r"__init__|conftest|\w+_testing|\w+_worker")
+TEST_FILES = sorted(p.relative_to(TESTS).as_posix() for p in TESTS.rglob("*.py"))
+
+
+def _modules(package: pathlib.Path) -> dict[str, pathlib.Path]:
+  """The modules and subpackages of ``package`` by name, without the leading underscore."""
+  return {
+    path.stem.removeprefix("_"): path
+    for path in package.iterdir()
+    if not path.name.startswith("__") and (path.suffix == ".py" or (path / "__init__.py").exists())
+  }
+
+
+def _module_tested_by(path: str) -> pathlib.Path | None:
+  """The module or package that the test file ``path`` (relative to tests/) is named after."""
+  *folders, file = path.split("/")
+  package, name = PACKAGE.joinpath(*folders), file.removeprefix("test_").removesuffix(".py")
+  while package.is_dir():
+    modules = _modules(package)
+    if name in modules:
+      return modules[name]
+    prefix = next((p for p in modules if name.startswith(f"{p}_") and modules[p].is_dir()), None)
+    if prefix is None:
+      return None
+    package, name = modules[prefix], name.removeprefix(f"{prefix}_")
+  return None
+
+
+def test_test_files_are_named_after_a_module_or_a_listed_topic():
+  tests = [p for p in TEST_FILES if not HELPER.fullmatch(p.split("/")[-1].removesuffix(".py"))]
+  assert [p for p in tests if not p.split("/")[-1].startswith("test_")] == []  # never collected
+  assert [p for p in tests if p not in TOPICS and _module_tested_by(p) is None] == []
+  # A topic that is a module's name belongs to the module; a topic without a file is stale.
+  assert [p for p in TOPICS if _module_tested_by(p) is not None or p not in TEST_FILES] == []
+
+
+def test_test_folders_mirror_packages_without_stutter():
+  paths = map(pathlib.PurePosixPath, TEST_FILES)
+  folders = sorted({path.parent for path in paths} - {pathlib.PurePosixPath(".")})
+  assert [str(f) for f in folders if not PACKAGE.joinpath(f).is_dir()] == []
+  # tests/flax/test_linen.py, not tests/flax/test_flax_linen.py.
+  stutters = [p for p in TEST_FILES if any(p.startswith(f"{f}/test_{f.name}_") for f in folders)]
+  assert stutters == []
+  assert sorted(p.name for p in (TESTS / "flax").glob("test_flax_*")) == []
