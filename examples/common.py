@@ -646,7 +646,7 @@ def make_loss_scale(recipe: Recipe, task: Task, params: Any, config: TrainConfig
 def _scale_values(loss_scale: Any) -> tuple[jax.Array, jax.Array | None]:
   """(the scale the loss is multiplied by, per-stage scales or None)."""
   value = jnp.asarray(loss_scale.loss_scale, jnp.float32)
-  return value, (None if loss_scale.uniform else loss_scale.scales)
+  return value, (None if loss_scale.gradient_scale is not None else loss_scale.scales)
 
 
 def _memory(compiled: Any) -> dict[str, int]:
@@ -817,7 +817,7 @@ def train(
 
     # The parameter gradients as computed (scaled), for the statistics (outside the step:
     # one small compilation shared by all recipes instead of a bigger step per recipe).
-    param_grads = grads.grads if isinstance(grads, jl.layerwise.LayerwiseGrads) else grads
+    param_grads = jl.ScaledGrads.of(grads).grads
     scale_used, stage_scales = _scale_values(loss_scale)
     new_updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, new_updates)
