@@ -401,8 +401,8 @@ def _compare_runs(
   # A scale of 1 forever: scaled and unscaled gradients coincide, so the step trains right; the
   # wiring is still wrong for any other loss scale.
   warnings.warn(
-    f"With this {type(loss_scale).__name__}, a scale of 1 that stays 1, this step trains as it "
-    f"should (scaled and unscaled gradients coincide), but not with any other scale: {message}",
+    f"With {type(loss_scale).__name__} this step trains as it should (a scale of 1 that stays 1: "
+    f"scaled and unscaled gradients coincide), but not with any other scale: {message}",
     UserWarning,
     stacklevel=3,  # check_loss_scaling's caller
   )
