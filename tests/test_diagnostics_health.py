@@ -98,7 +98,7 @@ def test_layerwise_scale_collapses_when_a_stage_sits_at_its_minimum():
   state, monitor = tx.init(params), diag.LossScaleMonitor.create(window=4)
   # What the layer-wise value-and-grad returns when stage 0's gradient is NaN.
   no_boundary = jl.layerwise.BoundaryStats(jnp.zeros(1), jnp.zeros((1, jl.layerwise.HIST_BINS)))
-  nan = jl.layerwise.LayerwiseGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
+  nan = jl.ScaledGrads({"a": jnp.full(2, jnp.nan), "b": jnp.ones(2)}, no_boundary)
 
   @jit
   def step(state, monitor):

@@ -139,7 +139,7 @@ def test_layerwise_loss_scale_gives_true_gradients():
     return nnx.as_pure(true), grads
 
   true, grads = nnx_compiled(step, model, optimizer)()
-  assert isinstance(grads, jl.layerwise.LayerwiseGrads)
+  assert isinstance(grads, jl.ScaledGrads)
   moved = jax.tree.map(lambda a, b: (b - a) / -lr, params, nnx.as_pure(nnx.state(model, nnx.Param)))
   for name, err in leaf_rel_errors(moved, true).items():
     assert err < 1e-6, name  # stage 0 arrived 2^-6 of its true value when scaled by S_2 only

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import fp8
-from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
+from jmp_lite._loss_scale import (
+  LossScale,
+  NoOpLossScale,
+  ScaledGrads,
+  StaticLossScale,
+  is_loss_scale,
+)
 from jmp_lite.flax.fp8._common import config_of_spec
 from jmp_lite.flax.fp8._placement import check_patterns, record, warn_if_no_fp8
 from jmp_lite.fp8._einsum import einsum_dot_shapes
@@ -436,7 +442,7 @@ def nnx_value_and_grad(
   """
   if loss_scale is None:
     scaling: LossScale = NoOpLossScale()
-  elif isinstance(loss_scale, LossScale):
+  elif is_loss_scale(loss_scale):
     scaling = loss_scale
   else:
     scaling = StaticLossScale(loss_scale)
@@ -462,8 +468,9 @@ def nnx_value_and_grad(
     finally:
       for variable in scales:
         variable.set_value(jnp.ones((), jnp.float32))
-    amax, param_grads = _split_state(grads, Fp8Amax, ...)
+    scaled = ScaledGrads.of(grads)
+    amax, param_grads = _split_state(scaled.grads, Fp8Amax, ...)
     nnx_update(model, amax, axis_name=axis_name)
-    return value, param_grads
+    return value, scaled._replace(grads=param_grads).packed()
 
   return value_and_grad
