@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmp_lite import _tree_util
+from jmp_lite import _compat, _tree_util
 from jmp_lite._tree_util import DERIVED, STATIC
 
 POST_INITS = []
@@ -79,9 +79,9 @@ def test_a_change_of_static_field_retraces():
   f = jax.jit(lambda o: o.value * o.count)
   assert float(f(Example(jnp.ones(1), count=2))[0]) == 2.0
   assert float(f(Example(jnp.full(1, 3.0), count=2))[0]) == 6.0
-  assert f._cache_size() == 1
+  assert _compat.jit_cache_size(f) == 1
   assert float(f(Example(jnp.ones(1), count=5))[0]) == 5.0
-  assert f._cache_size() == 2
+  assert _compat.jit_cache_size(f) == 2
 
 
 def test_registration_errors():

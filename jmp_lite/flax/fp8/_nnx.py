@@ -364,12 +364,6 @@ def nnx_calibrate(
   return calibrate
 
 
-def _split_state(state: nnx.State, *filters: Any) -> tuple[nnx.State, ...]:
-  if hasattr(nnx, "split_state"):  # flax >= 0.11; State.filter is deprecated there
-    return nnx.split_state(state, *filters)
-  return state.filter(*filters)
-
-
 def nnx_value_and_grad(
   fun: Callable[..., Any],
   *,
@@ -419,7 +413,7 @@ def nnx_value_and_grad(
   def value_and_grad(model, *args, **kwargs):
     with loss_scale_scope(loss_scale):
       value, grads = grad_fn(model, *args, **kwargs)
-    amax, param_grads = _split_state(grads, Fp8Amax, ...)
+    amax, param_grads = nnx.split_state(grads, Fp8Amax, ...)
     nnx_update(model, amax, axis_name=axis_name)
     return value, param_grads
 
