@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jmp_lite as jl
-from jmp_lite import layerwise
+from jmp_lite import _compat, layerwise
 from jmp_lite.layerwise import _boundary, _check
 
 K = 5
@@ -272,7 +272,7 @@ def test_update_period_refreshes_only_every_n_finite_steps(period_3_training):
   # margin_bits (3): its gradients exceeded 65504 at its scale.
   assert history[4] == [*history[3][:-1], history[3][-1] - 3]
   assert history[5] == history[4]  # the skipped step did not count towards the period
-  assert step._cache_size() == 1
+  assert _compat.jit_cache_size(step) == 1
 
 
 def test_overflow_is_skipped_and_the_non_finite_stages_back_off():
@@ -332,7 +332,7 @@ def _one_stage_steps(scale, gradients):
   for g in gradients:
     state = update(jnp.asarray(g, jnp.float32), state)
     out.append(float(np.log2(state.loss_scale.scales[0])))
-  assert update._cache_size() == 1
+  assert _compat.jit_cache_size(update) == 1
   return out, state
 
 
@@ -498,7 +498,7 @@ def test_trains_like_fp32_through_loss_scaling_traced_once():
     for _ in range(25):
       p, state, loss = step(p, state)
       losses.append(float(loss))
-    assert step._cache_size() == 1
+    assert _compat.jit_cache_size(step) == 1
     return np.asarray(losses), state
 
   ref, _ = train(jl.NoOpLossScale(), jnp.float32)
@@ -603,13 +603,13 @@ def test_check_stages_accepts_correct_models():
   layerwise.check_stages(residual_blocks, scale, params, x, y)
   # A keyword that is not an array is a constant of a compilation of its own.
   layerwise.check_stages(deep_tanh, scale, params, x, y, dtype=jnp.bfloat16)
-  compiled = _check._grads_and_boundary_amax._cache_size()
+  compiled = _compat.jit_cache_size(_check._grads_and_boundary_amax)
   # Unequal scales (ratios other than 1), passed through an optimizer state. The same loss
   # with array arguments of the same shapes: the first call's compiled gradient serves.
   state = jl.loss_scaling(optax.sgd(0.1), scale).init(params)
   uneven = scale.with_scales(jnp.asarray(2.0 ** np.asarray([14, 10, 12, 9, 8]), jnp.float32))
   layerwise.check_stages(deep_tanh, state._replace(loss_scale=uneven), params, x, y)
-  assert _check._grads_and_boundary_amax._cache_size() == compiled
+  assert _compat.jit_cache_size(_check._grads_and_boundary_amax) == compiled
 
 
 def test_check_stages_finds_wrong_stages_tied_weights_and_bypasses():

@@ -6,6 +6,7 @@ flow one way (dtypes -> policy -> loss scales -> transform -> layer-wise/fp8/che
 and only ``jmp_lite/flax`` imports Flax. Weight: ``import jmp_lite`` imports nothing that
 ``import jax, optax`` does not. Scripts: benchmarks and examples never assign into jmp_lite.
 Tests: each test file is named after the module it tests, or is a listed topic.
+Unstable APIs: only the compatibility modules use JAX's and Flax's internals.
 """
 
 import ast
@@ -24,7 +25,7 @@ MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 700, 250, 100
 
 # The lowest layer first; a module may import its own layer or a lower one.
 LAYERS = (
-  ("_validation", "_tree_util", "_context", "_jaxpr", "_dtypes", "_frames"),
+  ("_compat", "_validation", "_tree_util", "_context", "_jaxpr", "_dtypes", "_frames"),
   ("_matmul_precision",),
   ("_finite", "_fp8_config", "_policy", "_policy_scope"),
   ("_autocast",),
@@ -248,3 +249,84 @@ def test_test_folders_mirror_packages_without_stutter():
   stutters = [p for p in TEST_FILES if any(p.startswith(f"{f}/test_{f.name}_") for f in folders)]
   assert stutters == []
   assert sorted(p.name for p in (TESTS / "flax").glob("test_flax_*")) == []
+# The only modules that use JAX's or Flax's internal or unstable APIs: each entry there names
+# the public API it stands in for and the versions it was checked on (tests/test_compat.py).
+COMPAT = (PACKAGE / "_compat.py", PACKAGE / "flax" / "_compat.py")
+_INTERNAL_MODULES = ("jax._src", "jax.extend", "jax.core", "flax.nnx.graph")
+_INTERNAL_PREFIXES = ("jax._src.", "jax.extend.", "jax.core.", "nnx.graph.", "flax.nnx.graph.")
+# Primitive binding, jit's cache counter, the aval's shard_map axes, an equation's context.
+_INTERNAL_ATTRIBUTES = frozenset({"bind", "get_bind_params", "_cache_size", "manual_axis_type"})
+# pyproject's lowest versions have every API used: no hasattr(jax..., ...) version branches.
+_JAX_AND_FLAX = frozenset({"jax", "lax", "jnp", "flax", "nn", "nnx"})
+
+
+def _dotted(node: ast.expr) -> str:
+  parts = []
+  while isinstance(node, ast.Attribute):
+    parts.append(node.attr)
+    node = node.value
+  if isinstance(node, ast.Name):
+    parts.append(node.id)
+  return ".".join(reversed(parts))
+
+
+def _unstable_uses(tree: ast.Module, path: pathlib.Path):
+  """What in ``tree`` reaches JAX's or Flax's internals (docstrings and comments aside)."""
+  for imported, names in _imports(tree):
+    for module in (imported, *(f"{imported}.{name}" for name in names)):
+      if module.startswith(_INTERNAL_MODULES):
+        yield f"imports {module}"
+  docstrings = {
+    id(node.value)
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+  }
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute):
+      name = _dotted(node)
+      if f"{name}.".startswith(_INTERNAL_PREFIXES):
+        yield f"uses {name}"
+      if node.attr in _INTERNAL_ATTRIBUTES and _root(node) != "_compat":
+        yield f"uses .{node.attr}"
+      if node.attr == "manager" and isinstance(node.value, ast.Attribute):
+        if node.value.attr == "ctx":
+          yield "uses an equation's .ctx.manager"
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+      target, attr = node.args[:2]
+      if node.func.id in ("getattr", "hasattr") and isinstance(attr, ast.Constant):
+        if attr.value in _INTERNAL_ATTRIBUTES:
+          yield f"uses .{attr.value}"
+        if node.func.id == "hasattr" and _root(target) in _JAX_AND_FLAX:
+          yield f"checks for {_dotted(target)}.{attr.value} (a version branch)"
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      if "_src/" in node.value and id(node) not in docstrings:
+        yield f"names JAX's file layout ({node.value!r})"
+
+
+@pytest.mark.parametrize(
+  "path", [p for p in SOURCES if p not in COMPAT], ids=lambda p: str(p.relative_to(PACKAGE))
+)
+def test_only_the_compat_modules_use_unstable_apis(path):
+  found = sorted(set(_unstable_uses(ast.parse(path.read_text()), path)))
+  assert found == [], f"{path.name}: go through jmp_lite._compat (or jmp_lite.flax._compat)"
+
+
+TEST_AND_BENCHMARK_FILES = sorted(
+  path
+  for folder in ("tests", "benchmarks")
+  for path in (PACKAGE.parent / folder).rglob("*.py")
+  if path != pathlib.Path(__file__).resolve()
+)
+
+
+def test_tests_count_compilations_through_compat():
+  # jit's compilation counter is private: its one use is jmp_lite._compat.jit_cache_size.
+  users = [
+    str(path.relative_to(PACKAGE.parent))
+    for path in TEST_AND_BENCHMARK_FILES
+    if any(
+      isinstance(node, ast.Attribute) and node.attr == "_cache_size"
+      for node in ast.walk(ast.parse(path.read_text()))
+    )
+  ]
+  assert users == []

@@ -14,6 +14,7 @@ from hypothesis.extra import numpy as hnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jmp_lite as jl
+from jmp_lite import _compat
 
 T, F = True, False
 
@@ -641,9 +642,9 @@ def test_fields_declare_their_roles_and_a_static_change_retraces():
   ]  # fmt: skip
   f = jax.jit(lambda s: s.loss_scale * s.period)
   assert float(f(scale)) == 12.0 and float(f(scale.adjust(jnp.array(True)))) == 12.0
-  assert f._cache_size() == 1
+  assert _compat.jit_cache_size(f) == 1
   assert float(f(jl.DynamicLossScale(jnp.float32(4.0), period=5))) == 20.0
-  assert f._cache_size() == 2
+  assert _compat.jit_cache_size(f) == 2
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import jax
 import optax
 from jax import lax
 
+from jmp_lite import _compat
 from jmp_lite._loss_scale import LossScale, NoOpLossScale, ScaledGrads
 from jmp_lite._transform import (
   loss_scaling,
@@ -80,7 +81,5 @@ def mean_over(grads: Any, loss: Any, axis_name: Any) -> Any:
 
 
 def _varies(x: Any, names: tuple) -> bool:
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
-  varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+  varying = _compat.varying_axes(x)
   return any(name in varying for name in names)

@@ -7,6 +7,7 @@ import pytest
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
+from jmp_lite import _compat
 
 from .flax_testing import LinenBlock, LinenLM, jit, lm_loss, tokens
 
@@ -96,7 +97,7 @@ def test_linen_model_trains_in_fp16_with_layerwise_scaling_unedited(lm):
     for _ in range(steps):
       state, loss = step(state)
       losses.append(float(loss))
-    assert step._cache_size() == 1
+    assert _compat.jit_cache_size(step) == 1
     return np.asarray(losses), state
 
   ref, _ = train(model.apply, None)

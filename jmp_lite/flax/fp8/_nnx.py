@@ -400,12 +400,6 @@ def nnx_calibrate(
   return calibrate
 
 
-def _split_state(state: nnx.State, *filters: Any) -> tuple[nnx.State, ...]:
-  if hasattr(nnx, "split_state"):  # flax >= 0.11; State.filter is deprecated there
-    return nnx.split_state(state, *filters)
-  return state.filter(*filters)
-
-
 def nnx_value_and_grad(
   fun: Callable[..., Any],
   *,
@@ -469,7 +463,7 @@ def nnx_value_and_grad(
       for variable in scales:
         variable.set_value(jnp.ones((), jnp.float32))
     scaled = ScaledGrads.of(grads)
-    amax, param_grads = _split_state(scaled.grads, Fp8Amax, ...)
+    amax, param_grads = nnx.split_state(scaled.grads, Fp8Amax, ...)
     nnx_update(model, amax, axis_name=axis_name)
     return value, scaled._replace(grads=param_grads).packed()
 
