@@ -249,6 +249,8 @@ def test_test_folders_mirror_packages_without_stutter():
   stutters = [p for p in TEST_FILES if any(p.startswith(f"{f}/test_{f.name}_") for f in folders)]
   assert stutters == []
   assert sorted(p.name for p in (TESTS / "flax").glob("test_flax_*")) == []
+
+
 # The only modules that use JAX's or Flax's internal or unstable APIs: each entry there names
 # the public API it stands in for and the versions it was checked on (tests/test_compat.py).
 COMPAT = (PACKAGE / "_compat.py", PACKAGE / "flax" / "_compat.py")
