@@ -58,11 +58,12 @@ def run_page(page: str, text: str) -> list[str]:
 
 def run_page_in_process(page: str, text: str, env: dict[str, str]) -> None:
   """:func:`run_page` in a new Python process with the environment ``env``."""
-  script = "import sys, test_docs; test_docs.run_page(sys.argv[1], sys.stdin.read())"
+  # From the repository root: run from tests/, the folder tests/flax would shadow Flax itself.
+  script = "import sys, tests.test_docs as t; t.run_page(sys.argv[1], sys.stdin.read())"
   result = subprocess.run(
     [sys.executable, "-c", script, page],
     input=text,
-    cwd=pathlib.Path(__file__).parent,
+    cwd=pathlib.Path(__file__).parents[1],
     env=env,
     capture_output=True,
     text=True,
