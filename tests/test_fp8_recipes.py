@@ -788,3 +788,39 @@ def test_stateless_recipes_under_fsdp_style_sharded_jit(name):
   assert got[0].sharding.num_devices == 8
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+# Recipes through the policy -----------------------------------------------------------------
+
+POLICY_RECIPES = {
+  "current": fp8.CurrentScaling(),
+  "delayed": fp8.DelayedScaling(amax_history_length=4),
+  "rowwise": fp8.RowwiseScaling(),
+  "block": fp8.BlockScaling(),
+  "mxfp8": fp8.Mxfp8Scaling(),
+}
+
+
+@pytest.mark.parametrize("name", POLICY_RECIPES)
+def test_policy_configured_matmul_is_the_recipe_passed_directly(name):
+  """``fp8=<name>`` builds the recipe itself: its matmul and both gradients are the directly
+  passed recipe's, bit for bit (delayed scaling with a fresh state, under jit)."""
+  recipe = POLICY_RECIPES[name]
+  options = {"amax_history_length": 4} if name == "delayed" else {}
+  config = fp8.get_fp8_policy(f"p=f32,c=bf16,o=f32,fp8={name}", **options).config
+  assert config == recipe
+  rng = np.random.default_rng(11)
+  x, w, g = (normal(rng, s).astype(jnp.bfloat16) for s in ((8, 64), (64, 16), (8, 16)))
+  state = recipe.init_state()
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(config, x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, state, config=config), x, w)
+    return y, *vjp(g)
+
+  want, got = run(recipe, x, w, g), run(config, x, w, g)
+  reference = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  # The recipe ran (an fp8 matmul differs from the bf16 one), and the policy's is the same.
+  assert not np.array_equal(np.asarray(want[0], np.float32), reference.astype(jnp.bfloat16))
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)
