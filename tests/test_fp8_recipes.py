@@ -767,8 +767,7 @@ STATELESS = {
 def test_stateless_recipes_under_fsdp_style_sharded_jit(name):
   """Tokens sharded over 8 devices and the kernel sharded along its input axis (FSDP's
   layout), on a mesh of automatic (GSPMD) axes: the sharded program computes what one device
-  does (sums may be reordered). On explicit axes the canonical reshapes are refused by JAX
-  (a ShardingTypeError), which docs/fp8.md lists as not done."""
+  does (sums may be reordered). Explicit axes: the next test."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
   recipe = STATELESS[name]
@@ -788,6 +787,52 @@ def test_stateless_recipes_under_fsdp_style_sharded_jit(name):
   assert got[0].sharding.num_devices == 8
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+def test_recipes_under_fsdp_style_sharding_on_explicit_axes():
+  """Tokens sharded over 8 explicit mesh axes and the kernel along its input axis (FSDP's
+  layout), under jit and grad: the output and the input gradient are one device's, bit for
+  bit (each device quantizes and multiplies its own rows); the weight gradient sums the
+  devices' fp32 partial sums, so it is one device's within fp32 rounding. Tokens that split a
+  weight-gradient tile across devices are refused at trace time."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+  recipes = {
+    **STATELESS,
+    "rowwise_gw_hp": fp8.RowwiseScaling(weight_grad="compute_dtype"),
+    "delayed": fp8.DelayedScaling(amax_history_length=4),
+  }
+  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices(), axis_types=(AxisType.Explicit,))
+  rng = np.random.default_rng(12)
+  # 1024 tokens: 128 per device, whole 1 x 128 tiles of block scaling's weight gradient.
+  x, w, g = normal(rng, (1024, 128)), normal(rng, (128, 8)), normal(rng, (1024, 8))
+
+  def loss(x, w, recipe):
+    y = fp8.dot_general(x, w, MATMUL, recipe.init_state(), config=recipe)
+    return jnp.sum(y * g), y
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  data = NamedSharding(mesh, PartitionSpec("data", None))
+  xs, ws = jax.device_put(x, data), jax.device_put(w, data)
+  for name, recipe in recipes.items():
+    (dx, dw), y = step(x, w, recipe)
+    with jax.set_mesh(mesh):
+      (dx_s, dw_s), y_s = step(xs, ws, recipe)
+    assert y_s.sharding.spec == PartitionSpec("data", None), name
+    assert dw_s.sharding.spec == PartitionSpec("data", None), name  # sharded as the kernel
+    np.testing.assert_array_equal(y_s, y, err_msg=name)
+    np.testing.assert_array_equal(dx_s, dx, err_msg=name)
+    np.testing.assert_allclose(dw_s, dw, rtol=0, atol=4e-7 * float(jnp.abs(dw).max()))
+  for recipe, tile in ((fp8.BlockScaling(), 128), (fp8.Mxfp8Scaling(), 32)):
+    with (
+      jax.set_mesh(mesh),
+      pytest.raises(
+        ValueError,
+        match=rf"{type(recipe).__name__} on explicit mesh axes \('data',\): each "
+        rf"device's tokens \(2\) must be a multiple of {tile}",
+      ),
+    ):
+      step(jax.device_put(x[:16], data), ws, recipe)
 
 
 # Recipes through the policy -----------------------------------------------------------------
