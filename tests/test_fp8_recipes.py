@@ -823,6 +823,23 @@ def test_recipes_under_fsdp_style_sharding_on_explicit_axes():
     np.testing.assert_array_equal(y_s, y, err_msg=name)
     np.testing.assert_array_equal(dx_s, dx, err_msg=name)
     np.testing.assert_allclose(dw_s, dw, rtol=0, atol=4e-7 * float(jnp.abs(dw).max()))
+  # A batch axis sharded and merged with the sequence into the tokens (einsum "bsd,df->bsf").
+  x3, g3 = x.reshape(8, 128, 128), g.reshape(8, 128, 8)
+
+  def loss3(x, w, recipe):
+    y = fp8.einsum("bsd,df->bsf", x, w, config=recipe)
+    return jnp.sum(y * g3), y
+
+  step3 = jax.jit(jax.grad(loss3, argnums=(0, 1), has_aux=True), static_argnums=2)
+  batch = NamedSharding(mesh, PartitionSpec("data", None, None))
+  for name in ("rowwise", "block", "mxfp8"):
+    (dx, dw3), y = step3(x3, w, recipes[name])
+    with jax.set_mesh(mesh):
+      (dx_s, dw_s), y_s = step3(jax.device_put(x3, batch), ws, recipes[name])
+    assert y_s.sharding.spec == dx_s.sharding.spec == PartitionSpec("data", None, None), name
+    np.testing.assert_array_equal(y_s, y, err_msg=name)
+    np.testing.assert_array_equal(dx_s, dx, err_msg=name)
+    np.testing.assert_allclose(dw_s, dw3, rtol=0, atol=4e-7 * float(jnp.abs(dw3).max()))
   for recipe, tile in ((fp8.BlockScaling(), 128), (fp8.Mxfp8Scaling(), 32)):
     with (
       jax.set_mesh(mesh),

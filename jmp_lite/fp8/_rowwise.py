@@ -21,7 +21,6 @@ the weight gradient :math:`x^\top g` contracts the batch of tokens (columns of :
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -33,7 +32,7 @@ from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._matmul import power_of_2_above
 from jmp_lite.fp8._quantize import quantize
-from jmp_lite.fp8._sharding import rows_local
+from jmp_lite.fp8._sharding import merge_axes, rows_local, split_axes
 
 
 def row_scales(x: jax.Array, dtype: Any, axes: tuple = ()) -> jax.Array:
@@ -160,13 +159,11 @@ def canonical_dot(call: Any, matmul: Any) -> jax.Array:
   lhs, rhs = call.lhs, call.rhs
   free = lambda x, c, b: [i for i in range(x.ndim) if i not in c and i not in b]
   lf, rf = free(lhs, lc, lb), free(rhs, rc, rb)
-  size = lambda x, axes: math.prod(x.shape[i] for i in axes)
-  batch = size(lhs, lb)
-  a = lax.transpose(lhs, (*lb, *lf, *lc)).reshape(batch, size(lhs, lf), size(lhs, lc))
-  b = lax.transpose(rhs, (*rb, *rf, *rc)).reshape(batch, size(rhs, rf), size(rhs, rc))
+  a = merge_axes(lax.transpose(lhs, (*lb, *lf, *lc)), (len(lb), len(lf), len(lc)))
+  b = merge_axes(lax.transpose(rhs, (*rb, *rf, *rc)), (len(rb), len(rf), len(rc)))
   out = rows_local(matmul, a, b)
   shape = [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lf] + [rhs.shape[i] for i in rf]
-  out = out.reshape(shape)
+  out = split_axes(out, (len(lb), len(lf), len(rf)), shape)
   if call.out_sharding is not None:
     out = jax.sharding.reshard(out, call.out_sharding)
   return out

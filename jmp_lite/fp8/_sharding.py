@@ -8,6 +8,7 @@ axes it varies over under ``shard_map`` (``manual_axis_type`` from jax 0.9,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -134,3 +135,48 @@ def rows_local(matmul: Any, a: jax.Array, b: jax.Array) -> jax.Array:
     lambda a, b: matmul(a, b, row_axes), mesh=mesh, in_specs=(a_spec, b_spec), out_specs=a_spec
   )
   return local(a, b)
+
+
+def _named(x: jax.Array, spec: Any) -> Any:
+  return jax.sharding.NamedSharding(_aval(x).sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def merge_axes(x: jax.Array, groups: tuple[int, ...]) -> jax.Array:
+  """``x`` reshaped so that each output axis merges the next ``groups[i]`` axes of ``x``.
+
+  On explicit mesh axes a merged axis keeps the sharding of its first axis (the others are
+  gathered first), which is the layout of the merged values; elsewhere a plain reshape.
+  """
+  spec = _spec(x)
+  starts = [sum(groups[:i]) for i in range(len(groups))]
+  sizes = [math.prod(x.shape[s : s + n]) for s, n in zip(starts, groups, strict=True)]
+  if spec is None:
+    return x.reshape(sizes)
+  kept = [spec[i] if any(s == i and n for s, n in zip(starts, groups, strict=True)) else None
+          for i in range(x.ndim)]  # fmt: skip
+  if kept != list(spec):
+    x = jax.sharding.reshard(x, _named(x, kept))
+  merged = [spec[s] if n else None for s, n in zip(starts, groups, strict=True)]
+  return lax.reshape(x, sizes, out_sharding=_named(x, merged))
+
+
+def split_axes(x: jax.Array, groups: tuple[int, ...], shape: list[int]) -> jax.Array:
+  """The inverse of :func:`merge_axes`: axis ``i`` of ``x`` split into ``groups[i]`` axes.
+
+  On explicit mesh axes the first of the split axes keeps the sharding when its size divides
+  evenly over it (else the axis is gathered first).
+  """
+  spec = _spec(x)
+  if spec is None:
+    return x.reshape(shape)
+  mesh, kept, out, start = _aval(x).sharding.mesh, list(spec), [], 0
+  for i, n in enumerate(groups):
+    entry = spec[i] if n else None
+    devices = math.prod(mesh.shape[a] for a in _axes(entry))
+    if entry is not None and shape[start] % devices:
+      kept[i] = entry = None
+    out += [entry] + [None] * (n - 1) if n else []
+    start += n
+  if kept != list(spec):
+    x = jax.sharding.reshard(x, _named(x, kept))
+  return lax.reshape(x, shape, out_sharding=_named(x, out))
