@@ -102,14 +102,12 @@ def make_loss_scale(config: RunConfig, static_log2: int = 0) -> Any:
 
 def _layer_scales(scale: Any, num_layers: int) -> jax.Array:
   """The loss scale each layer's gradients were computed at."""
-  if not scale.uniform:
+  if scale.gradient_scale is None:  # each stage its own (a layer-wise scale)
     return scale.scales
   return jnp.broadcast_to(jnp.asarray(scale.loss_scale, jnp.float32), (num_layers,))
 
 
 def _unscaled(scale: Any, scaled_grads: Any) -> Any:
-  if isinstance(scaled_grads, jl.layerwise.LayerwiseGrads):
-    return scale.unscale(scaled_grads.grads)
   return scale.unscale(scaled_grads)
 
 
@@ -147,7 +145,7 @@ def _cached_train_step(config: RunConfig):
 
 
 def _log2_scales(scale: Any) -> list[float]:
-  if not scale.uniform:
+  if scale.gradient_scale is None:
     return np.log2(np.asarray(scale.scales, np.float64)).tolist()
   return [float(np.log2(np.asarray(scale.loss_scale, np.float64)))]
 

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       if hlo[variant] and hlo[variant][key] and hlo["dynamic"][key]:
         entry[f"xla_{key}_ratio"] = hlo[variant][key] / hlo["dynamic"][key]
     final_scale = jl.get_loss_scale(states[variant][1])
-    if not final_scale.uniform:
+    if final_scale.gradient_scale is None:
       entry["final_log2_scales"] = np.log2(np.asarray(final_scale.scales)).tolist()
     entry["skipped_steps"] = int(jl.get_loss_scaling_state(states[variant][1]).skipped_steps)
     result["variants"][variant] = entry

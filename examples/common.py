@@ -844,16 +844,15 @@ def make_train_step(setup: Setup):
     model_state = jl.select_tree(finite, {**model_state, **updates}, model_state)
     if setup.fp8_stateful:
       fp8_state = fp8.update(fp8_state, amax, setup.fp8_config)  # drops non-finite maxima
-    layerwise = recipe.loss_scale == "layerwise"
     metrics = {
       "loss": terms["loss"] / terms["count"],
       "accuracy": terms["correct"] / terms["count"],
       "finite": finite,
       "loss_scale": jnp.asarray(loss_scale.loss_scale, jnp.float32),
       # The parameter gradients as computed (scaled), for the statistics.
-      "grads": grads.grads if layerwise else grads,
+      "grads": jl.ScaledGrads.of(grads).grads,
     }
-    if layerwise:
+    if loss_scale.gradient_scale is None:  # one scale per stage
       metrics["stage_scales"] = loss_scale.scales
     if recipe.params_method is not None:
       metrics["rounded_away"] = low_precision_state(opt_state).rounded_away

@@ -38,6 +38,7 @@ from jmp_lite._loss_scale import (
   DynamicLossScale,
   LossScale,
   NoOpLossScale,
+  ScaledGrads,
   StaticLossScale,
   all_finite,
   select_tree,
@@ -86,6 +87,7 @@ __all__ = (
   "AUTOCAST_TABLE",
   # Loss scales
   "LossScale",
+  "ScaledGrads",
   "NoOpLossScale",
   "StaticLossScale",
   "DynamicLossScale",

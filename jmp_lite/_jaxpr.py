@@ -1,7 +1,7 @@
 """Private helpers for walking jaxprs, shared by ``jmp_lite._audit`` and :mod:`diagnostics`.
 
-Only ``jax.extend.core`` types and documented jaxpr attributes (``eqns``,
-``invars``, ``outvars``, ``params``, ``source_info``) are used, so the walk
+Only ``jax.extend.core`` types (from :mod:`jmp_lite._compat`) and documented jaxpr
+attributes (``eqns``, ``invars``, ``outvars``, ``params``, ``source_info``) are used, so the walk
 does not depend on which primitives carry sub-jaxprs: every ``Jaxpr`` or
 ``ClosedJaxpr`` found in an equation's params (``jit``, ``scan``, ``cond``
 branches, ``while`` bodies, ``custom_jvp_call``, ``custom_vjp_call``,
@@ -15,21 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-
-def extend_core() -> Any:
-  """``jax.extend.core``, imported on first use.
-
-  ``import jax.extend`` also imports Pallas (about 0.13 s, a quarter of
-  ``import jax``), which ``import jmp_lite`` should not pay for before a jaxpr
-  is walked.
-
-  Returns:
-    The ``jax.extend.core`` module.
-  """
-  import jax.extend.core
-
-  return jax.extend.core
-
+from jmp_lite import _compat
 
 # Ops that only move or re-type values.
 TRANSPARENT = frozenset(
@@ -67,9 +53,9 @@ class SubJaxpr(NamedTuple):
 
 
 def _jaxprs_in(value: Any) -> Iterator[tuple[Any, Sequence[Any]]]:
-  if isinstance(value, extend_core().ClosedJaxpr):
+  if isinstance(value, _compat.extend_core().ClosedJaxpr):
     yield value.jaxpr, value.consts
-  elif isinstance(value, extend_core().Jaxpr):
+  elif isinstance(value, _compat.extend_core().Jaxpr):
     yield value, ()
   elif isinstance(value, (tuple, list)):
     for item in value:
@@ -105,7 +91,7 @@ def sub_jaxprs(eqn: Any) -> list[SubJaxpr]:
 
 def is_literal(atom: Any) -> bool:
   """Whether ``atom`` is a literal (a constant written into the jaxpr), not a variable."""
-  return isinstance(atom, extend_core().Literal)
+  return isinstance(atom, _compat.extend_core().Literal)
 
 
 def dtype_of(atom: Any) -> np.dtype | None:

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_lite import _compat
+
 # The presets declared, by platform: none on XLA:GPU, which honours them but then emits every
 # declared dot as a Triton gemm, never cuBLAS; none on XLA:CPU, which rejects them for fp16 and
 # for single-element dots (and accumulates in fp32 anyway).
@@ -75,7 +77,7 @@ def bind_wide(primitive: Any, params: dict, wide: np.dtype, lhs: Any, rhs: Any) 
 
   Args:
     primitive: ``dot_general_p`` or ``conv_general_dilated_p``.
-    params: its bind parameters.
+    params: its parameters, as in a jaxpr equation.
     wide: the result dtype.
     lhs: the left 16-bit operand.
     rhs: the right 16-bit operand.
@@ -84,9 +86,9 @@ def bind_wide(primitive: Any, params: dict, wide: np.dtype, lhs: Any, rhs: Any) 
     The product in ``wide``.
   """
   params = dict(params, preferred_element_type=wide)
-  narrow = lambda a, b: primitive.bind(a, b, **params)
+  narrow = lambda a, b: _compat.bind(primitive, params, a, b)[0]
   # precision=None: an fp32 CPU product has nothing to declare (a TPU preset names 16-bit operands).
-  widened = lambda a, b: primitive.bind(
-    a.astype(wide), b.astype(wide), **dict(params, precision=None)
-  )
+  widened = lambda a, b: _compat.bind(
+    primitive, dict(params, precision=None), a.astype(wide), b.astype(wide)
+  )[0]
   return lax.platform_dependent(lhs, rhs, cpu=widened, default=narrow)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _tree_util
-from jmp_lite._loss_scale import LossScale, NoOpLossScale
+from jmp_lite._loss_scale import STATIC, LossScale, is_loss_scale
 from jmp_lite._transform import is_loss_scaling_state, loss_scaling_states
 
 
@@ -48,6 +48,7 @@ def _sq_norm(tree: Any) -> jax.Array:
   return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.float32(0))
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ProbeScale:
   """A loss scale that multiplies ``inner``'s scale by ``factor`` and records what it sees.
@@ -58,16 +59,17 @@ class _ProbeScale:
   """
 
   inner: Any
-  factor: float  # static: NNX updates the inner scale's Variables in place
-  recorder: _Recorder
-
-  @property
-  def uniform(self) -> bool:
-    return self.inner.uniform
+  factor: float = dataclasses.field(metadata=STATIC)  # NNX updates the inner scale in place
+  recorder: _Recorder = dataclasses.field(metadata=STATIC)
 
   @property
   def loss_scale(self) -> jax.Array:
     return self.inner.loss_scale * jnp.float32(self.factor)
+
+  @property
+  def gradient_scale(self) -> jax.Array | None:
+    inner = self.inner.gradient_scale
+    return None if inner is None else inner * jnp.float32(self.factor)
 
   @property
   def at_minimum(self) -> jax.Array:
@@ -117,13 +119,6 @@ class _ProbeScale:
     return grads, finite, dataclasses.replace(self, inner=next_scale)
 
 
-jax.tree_util.register_pytree_node(
-  _ProbeScale,
-  lambda p: ((p.inner,), (p.factor, p.recorder)),
-  lambda aux, children: _ProbeScale(children[0], *aux),
-)
-
-
 def _check_factor(factor: Any) -> None:
   if not (isinstance(factor, float | int) and 0 < factor < 1 and math.log2(factor).is_integer()):
     raise ValueError(f"factor must be a power of two below 1, got {factor!r}.")
@@ -142,8 +137,11 @@ def _the_loss_scale(args: tuple, kwargs: dict) -> tuple[LossScale, int]:
       "built with a single jl.loss_scaling."
     )
   loss_scale = found[0].loss_scale
-  if not isinstance(loss_scale, LossScale):
-    raise TypeError(f"The loss scaling state holds {type(loss_scale).__name__}, not a LossScale.")
+  if not is_loss_scale(loss_scale):
+    raise TypeError(
+      f"The loss scaling state holds a {type(loss_scale).__name__}, not a jmp_lite.LossScale "
+      "(a type defining scale, unscale, adjust, value_and_grad and unscale_and_adjust)."
+    )
   return loss_scale, _host_int(found[0].steps)
 
 
@@ -251,6 +249,14 @@ def _same_state(a: LossScale, b: LossScale) -> bool:
   )
 
 
+def _stays_at_one(loss_scale: LossScale) -> bool:
+  """Whether every gradient carries a scale of 1 that no step, finite or not, moves."""
+  one = loss_scale.gradient_scale
+  if one is None or _host_float(one) != 1:
+    return False
+  return all(_same_state(loss_scale.adjust(jnp.array(f)), loss_scale) for f in (True, False))
+
+
 def _update_norms(first: _Recorder, second: _Recorder) -> tuple[float, float]:
   """The norms of the true gradients reaching ``update`` in both runs, when comparable."""
   n1, n2 = math.sqrt(first.at_update[0]), math.sqrt(second.at_update[0])
@@ -336,8 +342,9 @@ def check_loss_scaling(
   the first scale where they are finite; it fails only when the scale can go
   no lower (a fixed scale, or a dynamic one at its floor).
 
-  With a :class:`~jmp_lite.NoOpLossScale` the wiring is checked all the same
-  (with :math:`fS = f` in the second run), but a finding is only a warning:
+  With a scale of 1 that stays 1 (a :class:`~jmp_lite.NoOpLossScale`, a
+  ``StaticLossScale(1.0)``) the wiring is checked all the same (with
+  :math:`fS = f` in the second run), but a finding is only a warning:
   scaled and unscaled gradients coincide at a scale of 1, so the step trains
   as it should; it would not with any other loss scale.
 
@@ -366,8 +373,8 @@ def check_loss_scaling(
     TypeError: when the state holds no :class:`~jmp_lite.LossScale`.
 
   Warns:
-    UserWarning: with a :class:`~jmp_lite.NoOpLossScale`, for a wiring that
-      would be wrong with any other loss scale.
+    UserWarning: with a scale of 1 that stays 1, for a wiring that would be
+      wrong with any other loss scale.
   """
   _check_factor(factor)
   loss_scale, steps_before = _the_loss_scale(args, kwargs)
@@ -382,20 +389,20 @@ def _compare_runs(
 ) -> None:
   """Refuses the step unless the second run's gradients are ``factor`` times the first's.
 
-  With a :class:`NoOpLossScale` a finding is a warning (see :func:`check_loss_scaling`).
+  With a scale of 1 that stays 1 a finding is a warning (see :func:`check_loss_scaling`).
   """
   n1, n2 = _update_norms(first, second)
   ratio = n2 / n1
   if abs(ratio / factor - 1) <= 1e-3:
     return
   message = _diagnosis(first, n1, ratio, factor)
-  if not isinstance(loss_scale, NoOpLossScale):
+  if not _stays_at_one(loss_scale):
     raise ValueError(message)
   # A scale of 1 forever: scaled and unscaled gradients coincide, so the step trains right; the
   # wiring is still wrong for any other loss scale.
   warnings.warn(
-    "With NoOpLossScale this step trains as it should (scaled and unscaled gradients "
-    f"coincide), but not with any other loss scale: {message}",
+    f"With {type(loss_scale).__name__} this step trains as it should (a scale of 1 that stays 1: "
+    f"scaled and unscaled gradients coincide), but not with any other scale: {message}",
     UserWarning,
     stacklevel=3,  # check_loss_scaling's caller
   )

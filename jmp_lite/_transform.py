@@ -24,6 +24,7 @@ returns zero updates, so no NaN ever reaches the parameters.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import _tree_util
-from jmp_lite._loss_scale import LossScale, ValueAndGradTransform
+from jmp_lite._loss_scale import LossScale, ValueAndGradTransform, is_loss_scale
 
 
 class LossScalingState(NamedTuple):
@@ -53,10 +54,6 @@ class LossScalingState(NamedTuple):
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
   last_finite: jax.Array
-
-
-def _is_loss_scale(x: Any) -> bool:
-  return isinstance(x, LossScale)
 
 
 class _LossScaling(optax.GradientTransformationExtraArgs):
@@ -215,10 +212,12 @@ def _checked_arguments(inner: Any, loss_scale: Any) -> optax.GradientTransformat
       "inner must be an optax.GradientTransformation (or optax.MultiSteps), got "
       f"{type(inner).__name__}."
     )
-  if not _is_loss_scale(loss_scale):
+  if not is_loss_scale(loss_scale):
     raise TypeError(
       "loss_scale must be a jmp_lite.LossScale (NoOpLossScale, StaticLossScale, "
-      f"DynamicLossScale, LayerwiseLossScale), got {type(loss_scale).__name__}."
+      "DynamicLossScale, LayerwiseLossScale, or a type of your own defining the contract's "
+      "methods scale, unscale, adjust, value_and_grad and unscale_and_adjust), got "
+      f"{reprlib.repr(loss_scale)} of type {type(loss_scale).__name__}."
     )
   if isinstance(inner, _LossScaling):
     raise ValueError(
@@ -289,7 +288,7 @@ def get_loss_scale(opt_state: Any) -> LossScale:
   Raises:
     ValueError: if ``opt_state`` holds no (or more than one) loss scaling state.
   """
-  if _is_loss_scale(opt_state):
+  if is_loss_scale(opt_state):
     return opt_state
   return get_loss_scaling_state(opt_state).loss_scale
 
@@ -319,9 +318,10 @@ def scaled_value_and_grad(
 
   Returns:
     A function with ``fun``'s signature returning ``(value, scaled_grads)``:
-    ``value`` is the *unscaled* loss (or ``(loss, aux)``); ``scaled_grads`` go
-    straight into the :func:`loss_scaling` transformation's ``update``, which
-    unscales them.
+    ``value`` is the *unscaled* loss (or ``(loss, aux)``); ``scaled_grads`` (a
+    :class:`ScaledGrads` in its packed form: the bare gradient tree for the
+    kinds with one scale) go straight into the :func:`loss_scaling`
+    transformation's ``update``, which unscales them.
 
   Raises:
     TypeError: when a differentiated leaf is not a floating-point array

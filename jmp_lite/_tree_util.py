@@ -1,11 +1,8 @@
-"""Tree helpers shared by the loss scales, and pytree dataclasses (private)."""
+"""Tree helpers shared by the loss scales and the Flax wrappers (private)."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
@@ -157,82 +154,3 @@ def select_leaves(pred: Any, a: Any, b: Any) -> Any:
 def is_array(x: Any) -> bool:
   """Whether ``x`` is a JAX or NumPy array (what a transform traces)."""
   return isinstance(x, (jax.Array, np.ndarray))
-
-
-_ROLE = "jmp_lite.pytree"
-STATIC: Mapping[str, str] = types.MappingProxyType({_ROLE: "static"})
-"""Field metadata: the field is static pytree data (aux data, part of the treedef).
-
-``period: int = dataclasses.field(default=2000, metadata=STATIC)``. A static
-field must be hashable; ``jit`` retraces when it changes. Fields without a
-role are the pytree's leaves.
-"""
-DERIVED: Mapping[str, str] = types.MappingProxyType({_ROLE: "derived"})
-"""Field metadata: the field is left out of the pytree and restored on unflatten.
-
-For a field that is a function of the others (e.g. a user-facing view of a
-hashable static field): :func:`register_dataclass`'s ``rebuild`` restores it.
-"""
-
-
-def pytree_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-  """``(data, static, derived)`` field names of a dataclass, in declaration order."""
-  roles: dict[str, list[str]] = {"data": [], "static": [], "derived": []}
-  for f in dataclasses.fields(cls):
-    roles[f.metadata.get(_ROLE, "data")].append(f.name)
-  return tuple(roles["data"]), tuple(roles["static"]), tuple(roles["derived"])
-
-
-def register_dataclass(cls: type[T], rebuild: Callable[[Any], None] | None = None) -> type[T]:
-  """Registers a frozen dataclass as a pytree whose unflatten skips ``__init__``.
-
-  Each field says its role where it is declared, in its metadata: a plain
-  field is a leaf (a child with key path ``.name``), a field with
-  ``metadata=STATIC`` is aux data, one with ``metadata=DERIVED`` is neither and
-  ``rebuild(obj)`` restores it after unflattening. JAX rebuilds pytrees from
-  placeholders (tracers, ``object()``, None), which must not go through
-  validation; jmp's custom unflatten also dropped ``min_loss_scale``. Here
-  every field round-trips.
-
-  Args:
-    cls: a dataclass.
-    rebuild: called on every unflattened object to restore its derived fields;
-      required if it has any.
-
-  Returns:
-    ``cls``, so that this can decorate the class.
-  """
-  if not dataclasses.is_dataclass(cls):
-    raise TypeError(f"register_dataclass needs a dataclass, got {cls!r}.")
-  data_fields, meta_fields, derived_fields = pytree_fields(cls)
-  if derived_fields and rebuild is None:
-    raise ValueError(
-      f"{cls.__name__} has derived fields {derived_fields}: give rebuild= to restore them."
-    )
-  keys = tuple(jax.tree_util.GetAttrKey(f) for f in data_fields)
-
-  def flatten_with_keys(obj):
-    children = [(key, getattr(obj, f)) for key, f in zip(keys, data_fields, strict=True)]
-    return children, tuple(getattr(obj, f) for f in meta_fields)
-
-  def flatten(obj):
-    return ([getattr(obj, f) for f in data_fields], tuple(getattr(obj, f) for f in meta_fields))
-
-  def unflatten(meta, children):
-    obj = object.__new__(cls)
-    for name, value in zip(data_fields + meta_fields, (*children, *meta), strict=True):
-      object.__setattr__(obj, name, value)
-    if rebuild is not None:
-      rebuild(obj)
-    return obj
-
-  jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-  return cls
-
-
-def replace_fields(obj: T, **changes) -> T:
-  """dataclasses.replace without re-running validation (for new state)."""
-  new = copy.copy(obj)
-  for name, value in changes.items():
-    object.__setattr__(new, name, value)
-  return new

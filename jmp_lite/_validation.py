@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _compat
 from jmp_lite import _dtypes as dtypes
 
 
@@ -29,7 +30,7 @@ def is_concrete(x) -> bool:
   Returns:
     False for a tracer (inside ``jit``, ``grad``...), True otherwise.
   """
-  return not isinstance(x, jax.core.Tracer)
+  return not _compat.is_tracer(x)
 
 
 def as_scale(
@@ -91,7 +92,7 @@ def as_real(value: Any, name: str, expected: str) -> float:
   Returns:
     ``value`` as a Python float (range checks are the caller's).
   """
-  if isinstance(value, jax.core.Tracer):
+  if _compat.is_tracer(value):
     raise TypeError(
       f"{name} is static configuration and must be a concrete number, got a traced value; "
       "build the object outside jit or pass a Python float."

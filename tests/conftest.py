@@ -51,8 +51,8 @@ TIERS: dict[str, tuple[str, ...]] = {
     "test_gpu_benchmark.py",
     "test_layerwise_experiment.py",
     "test_low_precision_params_benchmark.py",
-    "flax/test_flax_memory_benchmark.py",
-    "flax/test_flax_proxies_benchmark.py",
+    "flax/test_memory_benchmark.py",
+    "flax/test_proxies_benchmark.py",
   ),
 }
 _TIER_OF = {path: tier for tier, paths in TIERS.items() for path in paths}

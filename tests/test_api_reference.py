@@ -10,7 +10,8 @@ import pathlib
 import re
 
 import pytest
-from package_testing import NAMESPACES
+
+from .package_testing import NAMESPACES
 
 API = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api"
 DIRECTIVE = re.compile(r"```\{jmp-lite-api\} (\S+)\n(.*?)```", re.S)

@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_autocast import census, hand_written, rel_err
 
 import jmp_lite as jl
+
+from .test_autocast import census, hand_written, rel_err
 
 POLICY = jl.get_policy("params=float32,compute=bfloat16,output=float32")
 FP32_OPS = ("exp", "log", "log1p", "rsqrt", "sqrt", "logistic", "reduce_sum", "erf_inv", "pow")

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from package_testing import NAMESPACES
 
 import jmp_lite
+
+from .package_testing import NAMESPACES
 
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 GLOBALS = {"jax": jax, "jnp": jnp, "np": np, "optax": optax, "jl": jmp_lite}
@@ -56,7 +57,7 @@ def test_examples_are_found():
     ".".join(f[:-1] if f[-1] == "__init__" else f) for f in files
   )
   assert "jmp_lite.flax._linen" in ALL_MODULES
-  assert {"jmp_lite._policy", "jmp_lite._loss_scale"} <= set(MODULES_WITH_EXAMPLES)
+  assert {"jmp_lite._policy", "jmp_lite._loss_scale._dynamic"} <= set(MODULES_WITH_EXAMPLES)
   assert any(name.startswith("jmp_lite.fp8.") for name in MODULES_WITH_EXAMPLES)
 
 

@@ -1,4 +1,3 @@
-import dataclasses
 import functools
 import os
 import pickle
@@ -10,7 +9,7 @@ import optax
 import pytest
 
 import jmp_lite as jl
-from jmp_lite import layerwise
+from jmp_lite import _compat, layerwise
 from jmp_lite.layerwise import _boundary, _check
 
 K = 5
@@ -129,7 +128,7 @@ def test_equal_scales_give_plain_grad_bitwise():
   ref_loss, ref = jit(jax.value_and_grad(lambda p: deep_tanh(p, x, y) * s))(params)
   assert_bitwise_equal(grads.grads, ref)
   assert np.float32(loss) * np.float32(s) == np.float32(ref_loss)
-  assert_bitwise_equal(unscale(scale, grads.grads), unscale(jl.StaticLossScale(s), ref))
+  assert_bitwise_equal(unscale(scale, grads), unscale(jl.StaticLossScale(s), ref))
 
 
 def test_each_stage_is_unscaled_by_its_own_scale():
@@ -138,7 +137,7 @@ def test_each_stage_is_unscaled_by_its_own_scale():
   scale = jl.LayerwiseLossScale([0, 1, 2, 3, 4])
   scale = scale.with_scales(jnp.asarray([2.0**20, 2.0**17, 2.0**14, 2.0**11, 2.0**8], jnp.float32))
   _, grads = _grads_with(scale, deep_tanh, params, x, y)
-  unscaled = unscale(scale, grads.grads)
+  unscaled = unscale(scale, grads)
   # Layer k's raw scaled gradient carries S_k: its magnitude tracks the scale.
   ref32 = reference_grads(deep_tanh_f32, params, x, y)
   for k in range(K):
@@ -168,7 +167,7 @@ def test_residual_blocks_match_fp32():
   )
   assert len(set(np.asarray(state.loss_scale.scales).tolist())) > 1  # layer-wise: not one scale
   _, grads = _grads_with(state.loss_scale, residual_blocks, params, x, y)
-  unscaled = unscale(state.loss_scale, grads.grads)
+  unscaled = unscale(state.loss_scale, grads)
   for k in range(K):
     r = np.asarray(ref32[k]["w"])
     np.testing.assert_allclose(unscaled[k]["w"], r, rtol=0, atol=2e-2 * np.abs(r).max())
@@ -188,8 +187,8 @@ def test_boundary_statistics_match_numpy():
   nonzero = np.abs(observed[observed != 0])
   expected_hist = np.zeros(layerwise.HIST_BINS)
   np.add.at(expected_hist, np.floor(np.log2(nonzero)).astype(int) - layerwise.HIST_MIN_EXP, 1)
-  np.testing.assert_array_equal(grads.boundary_stats.amax, [np.abs(observed).max()])
-  np.testing.assert_array_equal(grads.boundary_stats.histogram[0], expected_hist)
+  np.testing.assert_array_equal(grads.stats.amax, [np.abs(observed).max()])
+  np.testing.assert_array_equal(grads.stats.histogram[0], expected_hist)
   # The histogram helper itself, on a wide random sample.
   v = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 2.0 ** np.arange(
     -40, 40, 0.08
@@ -238,7 +237,7 @@ def period_3_training():
   def step(state, poisoned):
     _, grads = jl.scaled_value_and_grad(deep_tanh, state)(params, x, y)
     bad = [{"w": jnp.where(poisoned[k], jnp.inf, g["w"])} for k, g in enumerate(grads.grads)]
-    return grads.boundary_stats.amax, tx.update(grads._replace(grads=bad), state, params)[1]
+    return grads.stats.amax, tx.update(grads._replace(grads=bad), state, params)[1]
 
   return tx.init(params), step
 
@@ -253,7 +252,7 @@ def true_stage_amax(fun32, params, *args):
   From ``fun32`` (the model in fp32, with its boundaries) at scale 1 for every stage.
   """
   _, true = _grads_with(_unit_scales(), fun32, params, *args)
-  b = np.asarray(true.boundary_stats.amax)
+  b = np.asarray(true.stats.amax)
   params_amax = [max(np.abs(leaf).max() for leaf in jax.tree.leaves(g)) for g in true.grads]
   return np.max([params_amax, np.append(b, 0.0), np.insert(b, 0, 0.0)], axis=0), true.grads
 
@@ -273,7 +272,7 @@ def test_update_period_refreshes_only_every_n_finite_steps(period_3_training):
   # margin_bits (3): its gradients exceeded 65504 at its scale.
   assert history[4] == [*history[3][:-1], history[3][-1] - 3]
   assert history[5] == history[4]  # the skipped step did not count towards the period
-  assert step._cache_size() == 1
+  assert _compat.jit_cache_size(step) == 1
 
 
 def test_overflow_is_skipped_and_the_non_finite_stages_back_off():
@@ -333,7 +332,7 @@ def _one_stage_steps(scale, gradients):
   for g in gradients:
     state = update(jnp.asarray(g, jnp.float32), state)
     out.append(float(np.log2(state.loss_scale.scales[0])))
-  assert update._cache_size() == 1
+  assert _compat.jit_cache_size(update) == 1
   return out, state
 
 
@@ -405,7 +404,7 @@ def test_fp8_e5m2_gradient_target():
     @jit
     def step(state):  # the next state, and the true gradients at this state's scales
       _, grads = jl.scaled_value_and_grad(model, state)(params, x, y)
-      # a LayerwiseGrads, or a DynamicLossScale's gradients
+      # a ScaledGrads, or a DynamicLossScale's bare gradients
       return tx.update(grads, state, params)[1], jl.get_loss_scale(state).unscale(grads)
 
     state = tx.init(params)
@@ -466,8 +465,8 @@ def test_scanned_stack_with_traced_boundary_index():
   scales = 2.0 ** np.asarray([18, 15, 12, 9, 6])
   scale = scale.with_scales(jnp.asarray(scales, jnp.float32))
   _, grads = jit(scale.value_and_grad(model))(params, x, y)
-  assert not np.any(np.asarray(grads.boundary_stats.histogram))  # histograms are opt-in
-  unscaled = unscale(scale, grads.grads)
+  assert not np.any(np.asarray(grads.stats.histogram))  # histograms are opt-in
+  unscaled = unscale(scale, grads)
   ref_grad = jit(jax.grad(lambda p, o: model(p, x, y, jnp.float32, o), argnums=(0, 1)))
   ref, ref_cotangents = ref_grad(params, jnp.zeros((depth, x.shape[0], width)))
   for name in ("stack", "head"):
@@ -475,7 +474,7 @@ def test_scanned_stack_with_traced_boundary_index():
     np.testing.assert_allclose(unscaled[name], r, rtol=0, atol=2e-2 * np.abs(r).max())
   # Boundary k (the traced index of the scan) saw its cotangent at stage k + 1's scale.
   np.testing.assert_allclose(
-    grads.boundary_stats.amax,
+    grads.stats.amax,
     scales[1:] * np.abs(np.asarray(ref_cotangents)).max(axis=(1, 2)),
     rtol=1e-2,
   )
@@ -499,7 +498,7 @@ def test_trains_like_fp32_through_loss_scaling_traced_once():
     for _ in range(25):
       p, state, loss = step(p, state)
       losses.append(float(loss))
-    assert step._cache_size() == 1
+    assert _compat.jit_cache_size(step) == 1
     return np.asarray(losses), state
 
   ref, _ = train(jl.NoOpLossScale(), jnp.float32)
@@ -557,8 +556,7 @@ def test_adjust_without_statistics():
   np.testing.assert_array_equal(scale.adjust(jnp.array(False)).scales, [4.0, 4.0])
   np.testing.assert_array_equal(scale.adjust(jnp.array(True)).scales, [8.0, 8.0])
   assert float(scale.loss_scale) == 8.0
-  with pytest.raises(TypeError, match="each stage its own scale"):
-    scale.scale(jnp.float32(2.0))  # see test_scale_refuses_a_plain_grad...
+  assert float(scale.scale(jnp.float32(2.0))) == 16.0  # see test_bare_gradients_of_the_scaled...
 
 
 @pytest.mark.parametrize(
@@ -585,15 +583,16 @@ def test_bad_arguments(kwargs, error, match):
 
 def test_bad_usage_errors():
   scale = jl.LayerwiseLossScale([0, 1])
+  stats = layerwise.BoundaryStats(jnp.zeros(1), jnp.zeros((1, layerwise.HIST_BINS)))
   with pytest.raises(ValueError, match="structure of the gradients"):
-    scale.unscale({"a": jnp.ones(2)})
+    scale.unscale(jl.ScaledGrads({"a": jnp.ones(2)}, stats))
   with pytest.raises(ValueError, match="out of range"):
     scale.value_and_grad(lambda p: jnp.sum(jl.stage_boundary(p[0], 1)))([jnp.ones(2)] * 2)
   with pytest.raises(TypeError, match="argnums"):
     scale.value_and_grad(lambda p: p, argnums=(0, 1))
   stacked = jl.LayerwiseLossScale({"s": layerwise.StackedStages([0, 1])})
   with pytest.raises(ValueError, match="leading axis"):
-    stacked.unscale({"s": jnp.ones((3, 2))})
+    stacked.unscale(jl.ScaledGrads({"s": jnp.ones((3, 2))}, stats))
 
 
 def test_check_stages_accepts_correct_models():
@@ -604,13 +603,13 @@ def test_check_stages_accepts_correct_models():
   layerwise.check_stages(residual_blocks, scale, params, x, y)
   # A keyword that is not an array is a constant of a compilation of its own.
   layerwise.check_stages(deep_tanh, scale, params, x, y, dtype=jnp.bfloat16)
-  compiled = _check._grads_and_boundary_amax._cache_size()
+  compiled = _compat.jit_cache_size(_check._grads_and_boundary_amax)
   # Unequal scales (ratios other than 1), passed through an optimizer state. The same loss
   # with array arguments of the same shapes: the first call's compiled gradient serves.
   state = jl.loss_scaling(optax.sgd(0.1), scale).init(params)
   uneven = scale.with_scales(jnp.asarray(2.0 ** np.asarray([14, 10, 12, 9, 8]), jnp.float32))
   layerwise.check_stages(deep_tanh, state._replace(loss_scale=uneven), params, x, y)
-  assert _check._grads_and_boundary_amax._cache_size() == compiled
+  assert _compat.jit_cache_size(_check._grads_and_boundary_amax) == compiled
 
 
 def test_check_stages_finds_wrong_stages_tied_weights_and_bypasses():
@@ -771,21 +770,33 @@ def test_check_stages_chooses_its_own_scales():
     )
 
 
-def test_scale_refuses_a_plain_grad_and_unscale_takes_layerwise_grads():
+def test_bare_gradients_of_the_scaled_loss_carry_the_loss_scale_everywhere():
+  # scale() multiplies by the last stage's scale; a plain jax.grad of it leaves the boundaries
+  # inactive, so every gradient carries that one scale, and unscale and update take it so.
   scale = jl.LayerwiseLossScale({"a": 0, "b": 1}).with_scales([2.0**10, 2.0**4])
-  with pytest.raises(TypeError, match=r"jl\.scaled_value_and_grad"):
-    jax.grad(lambda p: scale.scale(p["a"] * p["b"]))({"a": 1.0, "b": 2.0})
   fun = lambda p: jnp.sum(p["b"] * jl.stage_boundary(p["a"] * 3.0, 0))
   params = {"a": jnp.ones(2), "b": jnp.full(2, 2.0)}
   _, grads = jit(scale.value_and_grad(fun))(params)
+  bare = jit(jax.grad(lambda p: scale.scale(fun(p))))(params)
   true = jit(jax.grad(fun))(params)
-  for unscaled in (unscale(scale, grads), unscale(scale, grads.grads)):
+  np.testing.assert_array_equal(grads.grads["a"], true["a"] * 2.0**10)  # stage 0's own scale
+  np.testing.assert_array_equal(bare["a"], true["a"] * 2.0**4)  # the loss's scale
+  for unscaled in (unscale(scale, grads), unscale(scale, bare)):
     np.testing.assert_array_equal(unscaled["a"], true["a"])  # exact: powers of two
     np.testing.assert_array_equal(unscaled["b"], true["b"])
-  # Gradients taken without the stage boundaries carry no per-stage scales: refused.
   tx = jl.loss_scaling(optax.sgd(1.0), scale)
-  with pytest.raises(TypeError, match="LayerwiseGrads"):
-    tx.update(grads.grads, tx.init(params), params)
+  state = tx.init(params)
+  with pytest.warns(UserWarning, match="got bare gradients .* only back off on overflow"):
+    updates, state = tx.update(bare, state, params)
+  np.testing.assert_array_equal(updates["a"], -true["a"])
+  np.testing.assert_array_equal(jl.get_loss_scale(state).scales, [2.0**10, 2.0**4])  # kept
+  with pytest.warns(UserWarning, match="got bare gradients"):
+    updates, state = tx.update(jax.tree.map(lambda g: g * jnp.nan, bare), state, params)
+  np.testing.assert_array_equal(updates["a"], [0.0, 0.0])
+  np.testing.assert_array_equal(jl.get_loss_scale(state).scales, [2.0**9, 2.0**3])  # backed off
+  # A kind with one scale refuses gradients at several: they are another loss scale's.
+  with pytest.raises(TypeError, match="ScaledGrads with stats"):
+    jl.StaticLossScale(2.0**4).unscale_and_adjust(grads, params)
 
 
 def test_configuration_is_a_dataclass_with_the_users_param_stages():
@@ -796,11 +807,11 @@ def test_configuration_is_a_dataclass_with_the_users_param_stages():
   assert "PyTreeDef" not in repr(scale)
   np.testing.assert_array_equal(scale.scales, [2.0**12, 2.0**8, 2.0**4])
   trained = scale.with_scales([2.0**10, 2.0**6, 2.0**3])
-  replaced = dataclasses.replace(trained, update_period=4)
+  replaced = trained.replace(update_period=4)
   assert replaced.update_period == 4 and replaced.param_stages == stages
   np.testing.assert_array_equal(replaced.scales, trained.scales)  # the state is kept
   with pytest.raises(ValueError, match="amax_history must have shape"):
-    dataclasses.replace(trained, amax_history_length=3)
+    trained.replace(amax_history_length=3)
   # Through jit and tree_map, unchanged.
   back = jit(lambda s: s)(scale)
   assert back.param_stages == stages and back.initial_scale == scale.initial_scale

@@ -1,5 +1,7 @@
+import dataclasses
 import math
 import pickle
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from hypothesis.extra import numpy as hnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jmp_lite as jl
+from jmp_lite import _compat
 
 T, F = True, False
 
@@ -523,7 +526,140 @@ def test_every_kind_implements_the_contract(scale):
   assert bool(finite) and type(next_scale) is type(scale)
   assert not bool(scale.at_minimum)
   assert float(scale.loss_scale) == (1.0 if isinstance(scale, jl.NoOpLossScale) else 16.0)
-  assert scale.uniform == (not isinstance(scale, jl.LayerwiseLossScale))
+  # Every gradient carries one scale here (the layer-wise scale has one stage).
+  assert float(scale.gradient_scale) == float(scale.loss_scale)
+
+
+STAGED = {"w": 0, "b": 1}  # two stages: each gradient carries its own stage's scale
+
+
+def _staged_loss(p, x):
+  return jnp.sum(p["b"] * jl.stage_boundary(p["w"] * x, 0))
+
+
+@pytest.mark.parametrize(
+  "scale",
+  [*KINDS, jl.LayerwiseLossScale(STAGED).with_scales([2.0**10, 2.0**4])],
+  ids=lambda s: f"{type(s).__name__}{getattr(s, 'num_stages', '')}",
+)
+def test_every_kind_answers_every_contract_method(scale):
+  # No kind refuses a member: scale multiplies by loss_scale; a bare tree (jax.grad of scale's
+  # loss) and what value_and_grad returns both unscale to the true gradients; gradient_scale is
+  # the one scale of every gradient, or None (two stages, each its own).
+  several = getattr(scale, "num_stages", 1) > 1
+  loss_fn = _staged_loss if several else lambda p, x: jnp.sum(p["b"] * p["w"] * x)
+  params = {"w": jnp.asarray([1.0, -2.0]), "b": jnp.asarray([0.5, 4.0])}
+  x = jnp.asarray([3.0, 0.25])
+  true = jax.grad(loss_fn)(params, x)
+  S = float(scale.loss_scale)
+  assert float(scale.scale(jnp.float32(3.0))) == 3.0 * S
+  bare = jax.grad(lambda p: scale.scale(loss_fn(p, x)))(params)
+  np.testing.assert_array_equal(bare["w"], true["w"] * S)
+  _, scaled = scale.value_and_grad(loss_fn)(params, x)
+  for grads in (bare, scaled):
+    unscaled = scale.unscale(grads)
+    for name in params:  # powers of two: exact
+      np.testing.assert_array_equal(unscaled[name], true[name])
+  assert type(scaled) is (jl.ScaledGrads if isinstance(scale, jl.LayerwiseLossScale) else dict)
+  assert jl.ScaledGrads.of(scaled).packed() is scaled
+  if several:
+    assert scale.gradient_scale is None
+    np.testing.assert_array_equal(scaled.grads["w"], true["w"] * 2.0**10)  # stage 0's scale
+  else:
+    assert float(scale.gradient_scale) == S
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    grads, finite, following = scale.unscale_and_adjust(bare, params)
+  # Bare gradients of a scale with several stages: right, but no scale per stage (it says so).
+  assert [str(w.message)[:49] for w in caught] == (
+    ["LayerwiseLossScale.unscale_and_adjust got bare gradients"[:49]] if several else []
+  )
+  assert bool(finite) and type(following) is type(scale)
+  for name in params:
+    np.testing.assert_array_equal(grads[name], true[name])
+  _, finite, _ = scale.unscale_and_adjust(jax.tree.map(lambda g: g * jnp.inf, scaled), params)
+  assert not bool(finite)
+
+
+def test_the_protocol_has_no_runtime_check_and_recognition_evaluates_no_property():
+  from jmp_lite._loss_scale import is_loss_scale
+
+  with pytest.raises(TypeError, match="runtime_checkable"):
+    isinstance(jl.NoOpLossScale(), jl.LossScale)
+
+  class Exploding(HalvingScale):
+    @property
+    def loss_scale(self):
+      raise AssertionError("a property was evaluated")
+
+  assert is_loss_scale(Exploding(1.0)) and is_loss_scale(jl.DynamicLossScale(2.0))
+  assert jl.get_loss_scale(scale := Exploding(1.0)) is scale
+  assert not is_loss_scale(2.0) and not is_loss_scale({"loss_scale": 1.0})
+  with pytest.raises(TypeError, match=r"^loss_scale must be a jmp_lite\.LossScale .* got 2\.0 of"):
+    jl.loss_scaling(optax.sgd(1.0), 2.0)
+
+
+def _all_kinds():
+  return [
+    jl.NoOpLossScale(),
+    jl.StaticLossScale(8.0),
+    jl.DynamicLossScale(jnp.float32(4.0), period=3, min_loss_scale=2.0, hysteresis=2),
+    jl.LayerwiseLossScale(STAGED, initial_scale=[2.0**6, 2.0**2], update_period=2),
+  ]
+
+
+@pytest.mark.parametrize("scale", _all_kinds(), ids=lambda s: type(s).__name__)
+def test_unflattening_checks_nothing_and_keeps_every_field(scale):
+  leaves, treedef = jax.tree.flatten(scale)
+  # Placeholders of any kind go in as they are: no check ran (None or object() would fail one).
+  for placeholder in (object(), None):
+    rebuilt = jax.tree.unflatten(treedef, [placeholder] * len(leaves))
+    data = [f.name for f in dataclasses.fields(rebuilt) if not f.metadata.get("static")]
+    assert all(getattr(rebuilt, name) is placeholder for name in data) and len(data) == len(leaves)
+  traced = []
+  out = jax.jit(lambda s: traced.append(s) or jax.tree.map(lambda x: -x, s))(scale)
+  assert all(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(traced[0]))
+  # Negated leaves (an invalid negative scale) pass through unchecked; the configuration stays.
+  for x, y in zip(jax.tree.leaves(out), leaves, strict=True):
+    np.testing.assert_array_equal(x, -np.asarray(y))
+  assert jax.tree.structure(out) == treedef
+  assert jax.tree.structure(jax.tree.unflatten(treedef, leaves)) == treedef
+
+
+def test_unflattening_a_zero_floor_scale_warns_nothing():
+  with pytest.warns(UserWarning, match="min_loss_scale=0"):
+    scale = jl.DynamicLossScale(jnp.float32(1.0), min_loss_scale=0.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the warning is for the user's construction only
+    jax.jit(lambda s: s.adjust(jnp.array(False)))(scale)
+    jax.tree.map(lambda x: x, scale)
+
+
+def test_fields_declare_their_roles_and_a_static_change_retraces():
+  scale = jl.DynamicLossScale(jnp.float32(4.0), period=3)
+  assert [f.name for f in dataclasses.fields(scale) if f.metadata.get("static")] == [
+    "period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis", "_checked"
+  ]  # fmt: skip
+  f = jax.jit(lambda s: s.loss_scale * s.period)
+  assert float(f(scale)) == 12.0 and float(f(scale.adjust(jnp.array(True)))) == 12.0
+  assert _compat.jit_cache_size(f) == 1
+  assert float(f(jl.DynamicLossScale(jnp.float32(4.0), period=5))) == 20.0
+  assert _compat.jit_cache_size(f) == 2
+
+
+@pytest.mark.parametrize(
+  ("make", "match"),
+  [
+    (lambda: jl.StaticLossScale(-2.0), "loss_scale"),
+    (lambda: jl.DynamicLossScale(2.0, period=0), "period"),
+    (lambda: jl.LayerwiseLossScale(STAGED, update_period=0), "update_period"),
+    (lambda: jl.LayerwiseLossScale(STAGED).replace(margin_bits=-1), "margin_bits"),
+    (lambda: jl.LayerwiseLossScale(STAGED).replace(amax_history_length=3), "amax_history"),
+  ],
+)
+def test_a_bad_value_at_construction_or_replace_raises_naming_it(make, match):
+  with pytest.raises((TypeError, ValueError), match=match):
+    make()
 
 
 def test_dynamic_scale_at_its_floor_is_at_minimum():
@@ -534,12 +670,11 @@ def test_dynamic_scale_at_its_floor_is_at_minimum():
 class HalvingScale:
   """A loss scale a user writes: it delegates to a static scale and halves on overflow."""
 
-  uniform = True
-
   def __init__(self, value):
     self.inner = jl.StaticLossScale(value)
 
   loss_scale = property(lambda self: self.inner.loss_scale)
+  gradient_scale = property(lambda self: self.inner.gradient_scale)
   at_minimum = property(lambda self: jnp.asarray(False))
   scale = lambda self, tree: self.inner.scale(tree)
   unscale = lambda self, tree: self.inner.unscale(tree)
@@ -581,10 +716,10 @@ def test_a_kind_written_by_a_user_plugs_into_loss_scaling():
     jl.loss_scaling(optax.sgd(1.0), object())
 
 
-def test_uniform_scale_value_reads_every_kind_of_scale_the_same_way():
-  from jmp_lite._loss_scale import uniform_scale_value
+def test_gradient_scale_value_reads_every_kind_of_scale_the_same_way():
+  from jmp_lite._loss_scale import gradient_scale_value
 
-  read = lambda s: uniform_scale_value(s, instead="Do this instead.")
+  read = lambda s: gradient_scale_value(s, instead="Do this instead.")
   for scale, expected in [
     (jl.StaticLossScale(8.0), 8.0),
     (jl.DynamicLossScale(jnp.float16(1024)), 1024.0),
@@ -598,8 +733,10 @@ def test_uniform_scale_value_reads_every_kind_of_scale_the_same_way():
   # Traced values are converted, not checked.
   assert jax.jit(read)(jnp.float32(-1)).dtype == jnp.float32
   assert float(jax.jit(lambda s: read(s))(jl.DynamicLossScale(jnp.float32(64)))) == 64.0
-  with pytest.raises(TypeError, match=r"gives each stage its own scale.* Do this instead\.$"):
+  assert float(read(jl.LayerwiseLossScale([0, 0], initial_scale=8.0))) == 8.0  # one stage
+  with pytest.raises(TypeError, match=r"carry more than one scale.* Do this instead\.$"):
     read(jl.LayerwiseLossScale([0, 1]))
+  assert float(read(HalvingScale(jnp.float32(2.0)))) == 2.0  # a user's kind
   for bad, match in [
     (True, "got bool"),
     ("2.0", "got str"),

@@ -16,10 +16,11 @@ import subprocess
 import sys
 import tomllib
 
-import conftest
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from . import conftest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -145,7 +146,7 @@ def test_tests_that_run_scripts_are_in_the_benchmark_tier():
     for path in tests.rglob("test_*.py")
     if _RUNS_A_SCRIPT.search(path.read_text())
   }
-  assert "test_examples.py" in runs_scripts and "flax/test_flax_memory_benchmark.py" in runs_scripts
+  assert "test_examples.py" in runs_scripts and "flax/test_memory_benchmark.py" in runs_scripts
   assert sorted(runs_scripts - set(conftest.TIERS["benchmark"])) == []
 
 

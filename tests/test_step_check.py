@@ -172,6 +172,22 @@ def test_with_noop_loss_scale_the_wiring_is_checked_and_a_finding_is_a_warning()
     jl.check_loss_scaling(lambda p, s: p, PARAMS, noop.init(PARAMS))
 
 
+@pytest.mark.parametrize(
+  "scale", [jl.StaticLossScale(1.0), jl.DynamicLossScale(jnp.float32(1.0), min_loss_scale=1.0)]
+)
+def test_a_finding_is_a_warning_exactly_when_the_scale_is_1_and_stays_1(scale):
+  # Not a question of kind: a static scale of 1 is NoOpLossScale's case; a dynamic scale at 1
+  # grows later, and the unscaled gradients would then be wrong.
+  tx = jl.loss_scaling(optax.sgd(0.1), scale)
+  step = make_step(tx, unscaled)
+  if isinstance(scale, jl.StaticLossScale):
+    with pytest.warns(UserWarning, match=r"^With StaticLossScale this step trains .* stays 1"):
+      jl.check_loss_scaling(step, PARAMS, tx.init(PARAMS), X, Y)
+  else:
+    with pytest.raises(ValueError, match="do not carry the loss scale"):
+      jl.check_loss_scaling(step, PARAMS, tx.init(PARAMS), X, Y)
+
+
 def test_loss_scaling_applied_twice_is_refused():
   tx = jl.loss_scaling(optax.sgd(0.1), SCALE)
   state = tx.init(PARAMS)

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jmp_lite as jl
+from jmp_lite import _compat
 
 T, F = True, False
 
@@ -324,7 +325,7 @@ def test_design_md_training_step_matches_fp32():
       params, opt_state, loss = train_step(params, opt_state, x, y)
       losses.append(float(loss))
     assert params["w"].dtype == jnp.float32
-    assert train_step._cache_size() == 1
+    assert _compat.jit_cache_size(train_step) == 1
     return np.asarray(losses), opt_state
 
   ref, _ = train("full")
@@ -665,7 +666,7 @@ def test_equinox_train_step_through_loss_scaling_matches_optax():
   assert int(opt_state.skipped_steps) == 1 and int(opt_state.steps) == 4
   # 2^15 grew to 2^16 after two finite steps and halved on the inf.
   assert float(opt_state.loss_scale.loss_scale) == 2.0**15
-  assert step._cached._cache_size() == 1  # traced once as the scale moves
+  assert _compat.jit_cache_size(step._cached) == 1  # traced once as the scale moves
 
 
 def test_equinox_module_through_jax_value_and_grad_names_the_leaves():

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from jmp_lite import _jaxpr, _tree_util
+from jmp_lite import _compat, _tree_util
 from jmp_lite._audit import _policies, _walk
 from jmp_lite._audit._config import AuditConfig
 from jmp_lite._audit._report import AuditReport
@@ -43,7 +43,7 @@ def _audit(
 ) -> AuditReport:
   if not isinstance(config, AuditConfig):
     raise TypeError(f"audit_config must be an AuditConfig, got {type(config).__name__}.")
-  core = _jaxpr.extend_core()
+  core = _compat.extend_core()
   if isinstance(closed, core.ClosedJaxpr):
     inner, consts = closed.jaxpr, closed.consts
   elif isinstance(closed, core.Jaxpr):

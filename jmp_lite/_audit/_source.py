@@ -10,35 +10,13 @@ down into nested jaxprs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 from typing import Any, NamedTuple
 
-import jax
-
-from jmp_lite import _frames, _jaxpr
+from jmp_lite import _compat, _frames, _jaxpr
 from jmp_lite._audit._report import SourceLocation
 from jmp_lite._policy import Policy
 from jmp_lite._policy_scope import innermost_policy, without_marks
-
-# JAX's own files, relative to the jax package, that only bind, trace or call
-# functions: frames in them say nothing about who created an operation.
-_JAX_PLUMBING = frozenset(
-  {
-    "_src/api.py",
-    "_src/api_util.py",
-    "_src/core.py",
-    "_src/dispatch.py",
-    "_src/linear_util.py",
-    "_src/pjit.py",
-    "_src/source_info_util.py",
-    "_src/traceback_util.py",
-    "_src/tree_util.py",
-    "_src/util.py",
-  }
-)
-_JAX_AD = "_src/interpreters/ad.py"  # the JVP/linearize trace that runs derivative rules
-_JAX_CUSTOM_RULES = "_src/custom_derivatives.py"  # custom_jvp/custom_vjp: rules users write
 
 
 def _bare_name(function_name: str) -> str | None:
@@ -63,7 +41,6 @@ class FrameFilter(_frames.SourceFiles):
 
   def __init__(self, library_paths: Collection[str]):
     super().__init__(library_paths)
-    self._jax = os.path.join(os.path.realpath(os.path.dirname(str(jax.__file__))), "")
     self._jax_files: dict[str, str | None] = {}
 
   def locate(self, traceback: Any) -> tuple[SourceLocation | None, SourceLocation | None]:
@@ -93,15 +70,10 @@ class FrameFilter(_frames.SourceFiles):
     return user, (library if library != user else None)
 
   def _jax_file(self, filename: str) -> str | None:
-    """The path of a JAX source file relative to the jax package ("_src/core.py"), else None."""
+    """:func:`jmp_lite._compat.jax_file`, once per file name."""
     if filename not in self._jax_files:
-      path = os.path.realpath(filename)
-      rel = path[len(self._jax) :].replace(os.sep, "/") if path.startswith(self._jax) else None
-      self._jax_files[filename] = rel
+      self._jax_files[filename] = _compat.jax_file(filename)
     return self._jax_files[filename]
-
-  def _plumbing(self, rel: str) -> bool:
-    return rel in _JAX_PLUMBING or (rel.startswith("_src/interpreters/") and rel != _JAX_AD)
 
   def derivative_of(self, traceback: Any, primitive: str, differentiated: bool) -> tuple[bool, str]:
     """Whether a derivative rule created an operation, and which operation it differentiates.
@@ -132,14 +104,14 @@ class FrameFilter(_frames.SourceFiles):
     if traceback is None:
       return False, ""
     frames = [(self._jax_file(f.file_name), f.function_name) for f in traceback.frames]
-    ad = next((i for i, (rel, _) in enumerate(frames) if rel == _JAX_AD), None)
+    ad = next((i for i, (rel, _) in enumerate(frames) if rel == _compat.JAX_AD), None)
     if ad is None:
       return self._rule_inside_call(frames, primitive) if differentiated else (False, "")
     rule = []
     for rel, function in frames[:ad]:
-      if rel is None or rel == _JAX_CUSTOM_RULES:
+      if rel is None or rel == _compat.JAX_CUSTOM_RULES:
         return False, ""  # the user's code (or a custom_jvp rule) bound it
-      if not self._plumbing(rel):
+      if not _compat.is_jax_plumbing(rel):
         rule.append(function)
     # The primitive's own binding wrappers (_convert_element_type_bind_with_trace).
     while rule and _binds(rule[0], primitive) and "jvp" not in rule[0]:
@@ -148,10 +120,10 @@ class FrameFilter(_frames.SourceFiles):
     for rel, function in frames[ad:]:
       if rel is None:
         break
-      if rel == _JAX_AD or self._plumbing(rel):
+      if rel == _compat.JAX_AD or _compat.is_jax_plumbing(rel):
         continue
       bare = _bare_name(function)
-      if bare and (rel.startswith("_src/lax/") or not function.startswith("_")):
+      if bare and (_compat.is_jax_lax(rel) or not function.startswith("_")):
         name = bare
         break
     return bool(rule), name
@@ -161,8 +133,8 @@ class FrameFilter(_frames.SourceFiles):
     that is not plumbing names the operation; a ``lax`` function that does not
     bind ``primitive`` is the operation differentiated."""
     for rel, function in frames:
-      if rel is None or not self._plumbing(rel):
-        name = _bare_name(function) if rel is not None and rel.startswith("_src/lax/") else None
+      if rel is None or not _compat.is_jax_plumbing(rel):
+        name = _bare_name(function) if rel is not None and _compat.is_jax_lax(rel) else None
         return bool(name and not _binds(name, primitive)), name or ""
     return False, ""
 

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jmp_lite import _compat
+
 _F32 = np.dtype(np.float32)
 
 DERIVATIVES = {
@@ -39,7 +41,7 @@ def wide_and_narrow(primitive: Any, params: dict, x: Any) -> tuple[Any, Any]:
 
   @jax.custom_jvp
   def both(x):
-    y = primitive.bind(x.astype(_F32), **params)
+    (y,) = _compat.bind(primitive, params, x.astype(_F32))
     return y, y.astype(narrow)
 
   @both.defjvp

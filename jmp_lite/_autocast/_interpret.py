@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _jaxpr
+from jmp_lite import _compat, _jaxpr
 from jmp_lite._autocast._broadcast import (
   ELEMENTWISE,
   broadcast_summing_in_fp32,
@@ -91,10 +91,9 @@ class _NestedPrograms:
     """``jax.checkpoint``/``remat``: its body rewritten, under the same checkpoint policy."""
     params = eqn.params
     jaxpr = params["jaxpr"]
-    from jax._src import source_info_util
 
     def body(*args):
-      outs = self.run(jaxpr, (), [Value(a) for a in args], source_info_util.current_name_stack())
+      outs = self.run(jaxpr, (), [Value(a) for a in args], _compat.current_name_stack())
       return [v.narrow for v in outs]
 
     fn = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
@@ -104,10 +103,9 @@ class _NestedPrograms:
     """``shard_map``: its body rewritten, over the same mesh and specs."""
     params = eqn.params
     jaxpr = params["jaxpr"]
-    from jax._src import source_info_util
 
     def body(*args):
-      prefix = source_info_util.current_name_stack()
+      prefix = _compat.current_name_stack()
       outs = self.run(jaxpr, (), [Value(a) for a in args], prefix)
       return tuple(_match(o.narrow, v.aval) for o, v in zip(outs, jaxpr.outvars, strict=True))
 
@@ -126,7 +124,7 @@ class _NestedPrograms:
     return {k: self._rewrite_value(v) for k, v in params.items()}
 
   def _rewrite_value(self, value: Any) -> Any:
-    core = _jaxpr.extend_core()
+    core = _compat.extend_core()
     if isinstance(value, core.ClosedJaxpr):
       return self._rewrite_closed(value)
     if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
@@ -134,8 +132,6 @@ class _NestedPrograms:
     return value
 
   def _rewrite_closed(self, closed: Any) -> Any:
-    from jax._src import source_info_util
-
     specs = [
       jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
       for v in closed.jaxpr.invars
@@ -143,7 +139,7 @@ class _NestedPrograms:
 
     def body(*args):
       outs = self.run(
-        closed.jaxpr, closed.consts, [Value(a) for a in args], source_info_util.new_name_stack()
+        closed.jaxpr, closed.consts, [Value(a) for a in args], _compat.new_name_stack()
       )
       return [_match(o.narrow, v.aval) for o, v in zip(outs, closed.jaxpr.outvars, strict=True)]
 
@@ -168,13 +164,7 @@ class _Rules:
     return outs
 
   def _bind(self, eqn: Any, args: list[Any], params: dict | None = None) -> list[Value]:
-    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    if isinstance(params, tuple):  # (subfuns, params) for call primitives
-      subfuns, params = params
-      outs = eqn.primitive.bind(*subfuns, *args, **params)
-    else:
-      outs = eqn.primitive.bind(*args, **params)
-    outs = outs if eqn.primitive.multiple_results else [outs]
+    outs = _compat.bind(eqn.primitive, eqn.params if params is None else params, *args)
     return [Value(o) for o in outs]
 
   def _summing_in_fp32(self, eqn: Any, ins: list[Value]) -> list[Value]:
@@ -185,18 +175,16 @@ class _Rules:
       (value,), (var,) = ins, eqn.invars
       if not _broadcasts_16bit(var, shape):
         return self._eqn_as_input(eqn, ins)
-      params = eqn.primitive.get_bind_params(eqn.params)
-      narrow = broadcast_summing_in_fp32(lambda y: eqn.primitive.bind(y, **params), value.narrow)
+      bind = lambda y: _compat.bind(eqn.primitive, eqn.params, y)[0]
+      narrow = broadcast_summing_in_fp32(bind, value.narrow)
       wide = None if value.wide is None else self._bind(eqn, [value.wide])[0].narrow
       return [Value(narrow, wide)]
     if eqn.primitive.name not in ELEMENTWISE:
       return self._eqn_as_input(eqn, ins)
     if not any(_broadcasts_16bit(var, shape) for var in eqn.invars):
       return self._eqn_as_input(eqn, ins)
-    params = eqn.primitive.get_bind_params(eqn.params)
-    out = elementwise_summing_in_fp32(
-      lambda *args: eqn.primitive.bind(*args, **params), [v.narrow for v in ins], shape
-    )
+    bind = lambda *args: _compat.bind(eqn.primitive, eqn.params, *args)[0]
+    out = elementwise_summing_in_fp32(bind, [v.narrow for v in ins], shape)
     return [Value(out)]
 
   def _compute(self, eqn: Any, ins: list[Value]) -> list[Value]:
@@ -215,8 +203,7 @@ class _Rules:
       )  # fmt: skip
     if is_16bit_float(compute) and out_dtype.itemsize > compute.itemsize:
       # A wide result of 16-bit operands: bound in a form every backend runs.
-      bind_params = eqn.primitive.get_bind_params(params)
-      return [Value(bind_wide(eqn.primitive, bind_params, out_dtype, *args))]
+      return [Value(bind_wide(eqn.primitive, params, out_dtype, *args))]
     return self._bind(eqn, args, params)
 
   def _at(self, eqn: Any, ins: list[Value], dtype: np.dtype, recompute: bool) -> list[Value]:
@@ -231,8 +218,7 @@ class _Rules:
       return self._bind(eqn, [v.narrow for v in ins])
     args = [v.wide if v.wide is not None and dtype == _F32 else v.narrow for v in ins]
     if recompute and eqn.primitive.name in DERIVATIVES and is_16bit_float(_dtype(args[0])):
-      params = eqn.primitive.get_bind_params(eqn.params)
-      wide, narrow = wide_and_narrow(eqn.primitive, params, args[0])
+      wide, narrow = wide_and_narrow(eqn.primitive, eqn.params, args[0])
       return [Value(narrow, wide)]
 
     params = dict(eqn.params)
@@ -297,8 +283,6 @@ class Interpreter(_Rules, _NestedPrograms):
       args: the values of its invars.
       prefix: the name stack its equations' name stacks are relative to.
     """
-    from jax._src import source_info_util  # the name stack of each equation, kept
-
     env: dict[Any, Value] = {}
     env.update((v, Value(c)) for v, c in zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
@@ -311,10 +295,10 @@ class Interpreter(_Rules, _NestedPrograms):
       names = prefix + info.name_stack
       # Each equation in the context it was traced in (its mesh, compute_on, XLA metadata),
       # as jax.core.eval_jaxpr replays it.
-      with source_info_util.user_context(info.traceback, name_stack=names), eqn.ctx.manager:
+      with _compat.replaying(eqn, names):
         outs = self._eqn(eqn, [read(a) for a in eqn.invars], names)
       for var, value in zip(eqn.outvars, outs, strict=True):
-        if not isinstance(var, _jaxpr.extend_core().DropVar):
+        if not isinstance(var, _compat.extend_core().DropVar):
           env[var] = value
     return [read(v) for v in jaxpr.outvars]
 
@@ -364,10 +348,9 @@ class Interpreter(_Rules, _NestedPrograms):
     recomputed (not stored) for the backward pass, and rounded once to the program dtype."""
     closed = eqn.params["call_jaxpr"]
     region = Interpreter(self.config, region=True)
-    from jax._src import source_info_util
 
     def run(*args):
-      prefix = source_info_util.current_name_stack()
+      prefix = _compat.current_name_stack()
       outs = region.run(closed.jaxpr, closed.consts, [Value(a) for a in args], prefix)
       return [v.narrow if v.wide is None else v.wide for v in outs]
 
@@ -404,7 +387,7 @@ def _jax_nn_rule(eqn: Any) -> str | None:
   info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
   source = getattr(info, "func_src_info", None) or ""
   name, _, path = source.partition(" at ")
-  return name if "/jax/_src/nn/" in path.replace("\\", "/") else None
+  return name if _compat.is_jax_nn(path) else None
 
 
 def _match(x: Any, aval: Any) -> Any:

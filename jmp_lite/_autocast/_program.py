@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _compat
 from jmp_lite._autocast._interpret import Config, Interpreter, Value
 from jmp_lite._autocast._table import AUTOCAST_TABLE
 
@@ -63,8 +64,6 @@ def evaluate(
     The :class:`Value` of each array output, and a function that takes one value per array
     output and returns the output tree (its other leaves as the call returned them).
   """
-  from jax._src import source_info_util  # the caller's name stack, kept
-
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
   given = [leaves[i] for i in dynamic]
@@ -85,7 +84,7 @@ def evaluate(
     Value(t, g if _is_float(g) and g.dtype == _F32 and t.dtype != _F32 else None)
     for t, g in zip(traced, given, strict=True)
   ]
-  prefix = source_info_util.current_name_stack()
+  prefix = _compat.current_name_stack()  # the caller's name stack, kept
   outs = Interpreter(config).run(closed.jaxpr, closed.consts, ins, prefix)
   out_def, static = out_tree[0]
 

@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from jmp_lite import _compat
+
 RULES = ("compute", "float32", "input", "cast", "sum_grad_float32")
 
 # Primitives whose derivative needs no value of their operands (linear): widened
@@ -114,7 +116,4 @@ def check_table(table: Any, name: str) -> dict[str, str]:
 
 @functools.cache
 def _jax_primitive_names() -> frozenset[str]:
-  from jax.extend import core
-  from jax.extend.core import primitives
-
-  return frozenset(p.name for p in vars(primitives).values() if isinstance(p, core.Primitive))
+  return _compat.primitive_names()

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jmp_lite import _dtypes, _jaxpr
-from jmp_lite._loss_scale import uniform_scale_value
+from jmp_lite._loss_scale import gradient_scale_value
 
 DEFAULT_EXPONENT_RANGE = (-64, 16)
 
@@ -203,8 +203,9 @@ def gradient_statistics(
     grads: a pytree of gradients; non-floating leaves (integers, ``float0``)
       and ``None`` are ignored.
     loss_scale: the scale :math:`S` applied before storing in ``format``: a
-      positive number, a scalar array, or a jmp_lite loss scale with one scale
-      for all gradients (e.g. ``jl.get_loss_scale(opt_state)``). Default 1.
+      positive number, a scalar array, or a jmp_lite loss scale whose
+      ``gradient_scale`` is not None (e.g. ``jl.get_loss_scale(opt_state)``).
+      Default 1.
     format: the target format (name or dtype), e.g. ``"float16"`` (default),
       ``"bfloat16"``, ``"float8_e5m2"``.
     group_by: ``"layer"`` (default: drop the last path component, so a Flax
@@ -224,14 +225,14 @@ def gradient_statistics(
 
   Raises:
     TypeError: for a ``loss_scale`` that is not a number, scalar array or
-      uniform loss scale, a non-floating ``format``, or a ``group_by``
+      loss scale with one gradient scale, a non-floating ``format``, or a ``group_by``
       function that does not return a string.
     ValueError: for a ``loss_scale`` that is not a positive finite scalar, an
       unknown ``format`` or ``group_by``, or an ``exponent_range`` outside
       float32's normal exponents.
   """
   info = _dtypes.format_info(format)
-  scale = uniform_scale_value(
+  scale = gradient_scale_value(
     loss_scale, instead="Pass the scaled gradients (what fp16 stores) and loss_scale=1."
   )
   exponent_range = _check_exponent_range(exponent_range)

@@ -65,9 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
 
-from jmp_lite import _validation
+from jmp_lite import _compat, _jaxpr, _validation
 from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
 
 _F32 = np.dtype(np.float32)
@@ -122,16 +121,10 @@ def _spec(x: Any) -> jax.ShapeDtypeStruct:
   # Unbatched shapes even under vmap, whose tracers then batch the replayed binds; the
   # sharding under explicit mesh axes, where a transpose must return the operand's; inside
   # shard_map, the mesh axes the value varies over, or a transpose would mistype its cotangent.
-  aval = jax.typeof(x)
-  return jax.ShapeDtypeStruct(
-    np.shape(x),
-    jnp.result_type(x),
-    sharding=aval.sharding,
-    manual_axis_type=getattr(aval, "manual_axis_type", None),
-  )
+  return _compat.shape_dtype_struct(x)
 
 
-def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> list[Any]:
+def _replay_wide(closed: Any, wide: np.dtype, *args: Any) -> list[Any]:
   """Evaluates ``closed`` with every 16-bit product leaving its matmul in ``wide``.
 
   Each ``dot_general``/``conv_general_dilated`` with a 16-bit result is bound
@@ -142,21 +135,20 @@ def _replay_wide(closed: jex_core.ClosedJaxpr, wide: np.dtype, *args: Any) -> li
   env: dict[Any, Any] = {}
 
   def read(var):
-    return var.val if isinstance(var, jex_core.Literal) else env[var]
+    return var.val if _jaxpr.is_literal(var) else env[var]
 
   jaxpr = closed.jaxpr
   env.update(zip(jaxpr.constvars, closed.consts, strict=True))
   env.update(zip(jaxpr.invars, args, strict=True))
+  drop = _compat.extend_core().DropVar
   for eqn in jaxpr.eqns:
-    params = eqn.primitive.get_bind_params(eqn.params)
     products = (lax.dot_general_p, lax.conv_general_dilated_p)
     if eqn.primitive in products and is_16bit_float(eqn.outvars[0].aval.dtype):
-      outs = bind_wide(eqn.primitive, params, wide, *(read(v) for v in eqn.invars))
+      results = [bind_wide(eqn.primitive, eqn.params, wide, *(read(v) for v in eqn.invars))]
     else:
-      outs = eqn.primitive.bind(*(read(v) for v in eqn.invars), **params)
-    results = outs if eqn.primitive.multiple_results else [outs]
+      results = _compat.bind(eqn.primitive, eqn.params, *(read(v) for v in eqn.invars))
     for var, val in zip(eqn.outvars, results, strict=True):
-      if not isinstance(var, jex_core.DropVar):
+      if not isinstance(var, drop):
         env[var] = val
   return [read(v) for v in jaxpr.outvars]
 

@@ -33,7 +33,6 @@ step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self, TypeVar
@@ -45,7 +44,7 @@ from flax import serialization
 from jax import lax
 
 from jmp_lite import _tree_util, _validation
-from jmp_lite._loss_scale import all_finite, grad_of_scaled_loss, select_tree
+from jmp_lite._loss_scale import STATIC, all_finite, checked_field, grad_of_scaled_loss, select_tree
 
 T = TypeVar("T")
 
@@ -71,7 +70,7 @@ class DynamicScaleResult(NamedTuple):
   grad: Any
 
 
-@_tree_util.register_dataclass
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicScale:
   """Dynamic loss scaling with Flax's ``DynamicScale`` interface.
@@ -93,10 +92,11 @@ class DynamicScale:
       scale = max(scale * backoff_factor, minimum_scale or float32 tiny)
 
   The constructor and :meth:`replace` (through which ``flax.serialization``
-  restores a checkpoint) copy the arrays they are given: a step that donates
-  a state holding this scale deletes no other scale's buffers. Unflattening
-  the pytree (``jax.tree.map``, ``jit`` outputs, orbax's restore) keeps the
-  arrays it is given (orbax restores into new arrays).
+  restores a checkpoint) check the fields and copy the arrays they are given:
+  a step that donates a state holding this scale deletes no other scale's
+  buffers. Unflattening the pytree (``jax.tree.map``, ``jit`` outputs, orbax's
+  restore) checks nothing and keeps the arrays it is given (orbax restores
+  into new arrays).
 
   Flax 0.12 and older grow one step later (when ``fin_steps ==
   growth_interval``), so a ``fin_steps`` equal to ``growth_interval`` from
@@ -127,44 +127,19 @@ class DynamicScale:
   True 4.0
   """
 
-  growth_factor: float = dataclasses.field(default=2.0, metadata=_tree_util.STATIC)
-  backoff_factor: float = dataclasses.field(default=0.5, metadata=_tree_util.STATIC)
-  growth_interval: int = dataclasses.field(default=2000, metadata=_tree_util.STATIC)
+  growth_factor: float = dataclasses.field(default=2.0, metadata=STATIC)
+  backoff_factor: float = dataclasses.field(default=0.5, metadata=STATIC)
+  growth_interval: int = dataclasses.field(default=2000, metadata=STATIC)
   fin_steps: jax.Array = 0  # type: ignore[assignment]  # made an array in __post_init__
   scale: jax.Array = 65536.0  # type: ignore[assignment]  # made an array in __post_init__
-  minimum_scale: float | None = dataclasses.field(default=_TINY, metadata=_tree_util.STATIC)
+  minimum_scale: float | None = dataclasses.field(default=_TINY, metadata=STATIC)
+  _checked: bool = checked_field()
 
   def __post_init__(self):
-    set_ = functools.partial(object.__setattr__, self)
-    growth = _validation.as_real(self.growth_factor, "growth_factor", "a number >= 1")
-    if not (math.isfinite(growth) and growth >= 1):
-      raise ValueError(f"growth_factor must be finite and >= 1, got {growth}.")
-    backoff = _validation.as_real(self.backoff_factor, "backoff_factor", "a number in (0, 1)")
-    if not 0 < backoff < 1:
-      raise ValueError(f"backoff_factor must be in (0, 1), got {backoff}.")
-    interval = self.growth_interval
-    if isinstance(interval, (float, np.floating)) and float(interval).is_integer():
-      interval = int(interval)  # Flax accepts growth_interval=2000.0; 2000.5 still raises
-    set_("growth_factor", growth)
-    set_("backoff_factor", backoff)
-    set_("growth_interval", _validation.check_int(interval, "growth_interval", 1))
-    if self.minimum_scale is not None:
-      set_("minimum_scale", _validation.as_bound(self.minimum_scale, "minimum_scale", np.float32))
-    # Strongly typed float32 from the start: a weakly typed Python float would scale a fp16
-    # loss in fp16 and change type after the first step (a second compilation).
-    scale = _validation.as_scale(self.scale, "scale").astype(jnp.float32)
-    if _validation.is_concrete(scale) and float(scale) < self._floor:
-      raise ValueError(f"scale={float(scale)} is below minimum_scale={self._floor}.")
-    # Buffers of its own (here and in `replace`): a step that donates a state holding this
-    # scale must not delete the arrays it was built from, nor those of the scale it replaced.
-    set_("scale", _tree_util.copy_arrays(scale))
-    fin_steps = jnp.asarray(self.fin_steps)
-    if not jnp.issubdtype(fin_steps.dtype, jnp.integer) or fin_steps.shape != ():
-      raise TypeError(f"fin_steps must be an integer scalar, got {self.fin_steps!r}.")
-    fin_steps = fin_steps.astype(jnp.int32)
-    if _validation.is_concrete(fin_steps) and int(fin_steps) < 0:
-      raise ValueError(f"fin_steps must be >= 0, got {int(fin_steps)}.")
-    set_("fin_steps", _tree_util.copy_arrays(fin_steps))
+    if not self._checked:
+      for name, value in _checked_fields(self).items():
+        object.__setattr__(self, name, value)
+      object.__setattr__(self, "_checked", True)
 
   @property
   def _floor(self) -> float:
@@ -179,7 +154,7 @@ class DynamicScale:
     Returns:
       The new ``DynamicScale``.
     """
-    return dataclasses.replace(self, **updates)
+    return dataclasses.replace(self, _checked=False, **updates)
 
   def adjust(self, is_fin: jax.Array) -> DynamicScale:
     """The next state, by the rule above (``value_and_grad`` calls it).
@@ -195,7 +170,7 @@ class DynamicScale:
     grow = finite & (self.fin_steps + 1 >= self.growth_interval)
     grown = scale * jnp.float32(self.growth_factor)
     shrunk = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(self._floor))
-    return _tree_util.replace_fields(
+    return dataclasses.replace(
       self,
       fin_steps=jnp.where(finite & ~grow, self.fin_steps + 1, 0).astype(jnp.int32),
       scale=jnp.where(finite, jnp.where(grow & jnp.isfinite(grown), grown, scale), shrunk),
@@ -284,9 +259,48 @@ class DynamicScale:
     return jax.tree.map(keep, new, old, is_leaf=lambda x: isinstance(x, DynamicScale))
 
 
+def _checked_fields(ds: DynamicScale) -> dict[str, Any]:
+  """Every field of a new ``ds``, checked and normalized, its arrays copied."""
+  growth = _validation.as_real(ds.growth_factor, "growth_factor", "a number >= 1")
+  if not (math.isfinite(growth) and growth >= 1):
+    raise ValueError(f"growth_factor must be finite and >= 1, got {growth}.")
+  backoff = _validation.as_real(ds.backoff_factor, "backoff_factor", "a number in (0, 1)")
+  if not 0 < backoff < 1:
+    raise ValueError(f"backoff_factor must be in (0, 1), got {backoff}.")
+  interval = ds.growth_interval
+  if isinstance(interval, (float, np.floating)) and float(interval).is_integer():
+    interval = int(interval)  # Flax accepts growth_interval=2000.0; 2000.5 still raises
+  interval = _validation.check_int(interval, "growth_interval", 1)
+  minimum = ds.minimum_scale
+  if minimum is not None:
+    minimum = _validation.as_bound(minimum, "minimum_scale", np.dtype(np.float32))
+  # Strongly typed float32 from the start: a weakly typed Python float would scale a fp16
+  # loss in fp16 and change type after the first step (a second compilation).
+  scale = _validation.as_scale(ds.scale, "scale").astype(jnp.float32)
+  floor = _TINY if minimum is None else minimum
+  if _validation.is_concrete(scale) and float(scale) < floor:
+    raise ValueError(f"scale={float(scale)} is below minimum_scale={floor}.")
+  fin_steps = jnp.asarray(ds.fin_steps)
+  if not jnp.issubdtype(fin_steps.dtype, jnp.integer) or fin_steps.shape != ():
+    raise TypeError(f"fin_steps must be an integer scalar, got {ds.fin_steps!r}.")
+  fin_steps = fin_steps.astype(jnp.int32)
+  if _validation.is_concrete(fin_steps) and int(fin_steps) < 0:
+    raise ValueError(f"fin_steps must be >= 0, got {int(fin_steps)}.")
+  return {
+    "growth_factor": growth,
+    "backoff_factor": backoff,
+    "growth_interval": interval,
+    "minimum_scale": minimum,
+    # Buffers of its own (here and in `replace`): a step that donates a state holding this
+    # scale must not delete the arrays it was built from, nor those of the scale it replaced.
+    "scale": _tree_util.copy_arrays(scale),
+    "fin_steps": _tree_util.copy_arrays(fin_steps),
+  }
+
+
 # Flax's checkpoints (flax.serialization, flax.training.checkpoints) hold the leaves by name,
 # as for Flax's own struct: {"fin_steps": ..., "scale": ...}.
-_STATE_FIELDS = _tree_util.pytree_fields(DynamicScale)[0]
+_STATE_FIELDS = ("fin_steps", "scale")
 
 
 def _to_state_dict(ds: DynamicScale) -> dict[str, Any]:

@@ -49,12 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx.graph import is_graph_node
 
 from jmp_lite._autocast import rewrite
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._policy_scope import policy_scope
 from jmp_lite._tree_util import is_array, split_leaves
+from jmp_lite.flax._compat import is_graph_node
 from jmp_lite.flax._explicit_dtypes import (
   ExplicitDtype,
   explicit_dtype_entry,

@@ -169,8 +169,9 @@ class Optimizer(nnx.Optimizer[M]):
   def update(self, model: M, grads: Any, /, **kwargs: Any) -> optax.Updates:
     """Applies ``grads`` from :meth:`value_and_grad` (unscale, skip on overflow, adjust).
 
-    As :meth:`flax.nnx.Optimizer.update`, and also takes the gradients of a
-    layer-wise loss scale (a :class:`~jmp_lite.layerwise.LayerwiseGrads`).
+    As :meth:`flax.nnx.Optimizer.update`; ``grads`` are what
+    :meth:`value_and_grad` returned, in any loss scale's form (a
+    :class:`~jmp_lite.ScaledGrads` or the bare gradient tree).
 
     Args:
       model: the model the optimizer was built for; its ``wrt`` Variables are
@@ -196,7 +197,7 @@ class Optimizer(nnx.Optimizer[M]):
     return has_loss_scaling(nnx.as_pure(self.opt_state))
 
   def _pure_grads(self, grads: Any) -> Any:
-    # The wrt gradients as arrays, wherever the loss scale's container holds them.
+    # The wrt gradients as arrays, wherever the ScaledGrads holds them.
     return jax.tree.map(
       lambda g: nnx.as_pure(nnx.state(g, self.wrt, graph=self.graph)) if _is_state(g) else g,
       grads,

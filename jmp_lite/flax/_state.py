@@ -8,14 +8,14 @@ import jax
 import optax
 from jax import lax
 
-from jmp_lite._loss_scale import LossScale, NoOpLossScale
+from jmp_lite import _compat
+from jmp_lite._loss_scale import LossScale, NoOpLossScale, ScaledGrads
 from jmp_lite._transform import (
   loss_scaling,
   loss_scaling_depth,
   loss_scaling_states,
   nested_loss_scaling_message,
 )
-from jmp_lite.layerwise import LayerwiseGrads
 
 
 def with_loss_scaling(
@@ -63,24 +63,23 @@ def mean_over(grads: Any, loss: Any, axis_name: Any) -> Any:
   already sums the gradient of a parameter replicated over ``axis_name`` when
   the loss varies over it: that gradient is divided by the number of devices.
   A gradient that varies (``pmap``, or ``shard_map`` with ``check_vma=False``)
-  is averaged with ``pmean``. Layer-wise boundary statistics stay per device:
-  the scale rule combines them over ``axis_name`` itself.
+  is averaged with ``pmean``. Only the parameter gradients of a
+  :class:`~jmp_lite.ScaledGrads` are: its ``stats`` stay per device (the loss
+  scale's ``unscale_and_adjust`` combines them over ``axis_name`` itself).
   """
   if axis_name is None:
     return grads
-  if isinstance(grads, LayerwiseGrads):
-    return grads._replace(grads=mean_over(grads.grads, loss, axis_name))
+  scaled = ScaledGrads.of(grads)
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   summed_by_jax = _varies(loss, names)
   devices = lax.psum(1, axis_name)
-  return jax.tree.map(
+  averaged = jax.tree.map(
     lambda g: g / devices if summed_by_jax and not _varies(g, names) else lax.pmean(g, axis_name),
-    grads,
+    scaled.grads,
   )
+  return scaled._replace(grads=averaged).packed()
 
 
 def _varies(x: Any, names: tuple) -> bool:
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
-  varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+  varying = _compat.varying_axes(x)
   return any(name in varying for name in names)

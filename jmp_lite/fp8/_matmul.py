@@ -29,7 +29,7 @@ from jax import lax
 from jmp_lite import _dtypes as dtypes
 from jmp_lite import _validation
 from jmp_lite._fp8_config import F32
-from jmp_lite._loss_scale import uniform_scale_value
+from jmp_lite._loss_scale import gradient_scale_value
 from jmp_lite.fp8 import _current_scaling, _sharding
 from jmp_lite.fp8._quantize import compute_amax, quantize
 from jmp_lite.fp8._scaling import Fp8DotAmax, Fp8DotState, compute_scale
@@ -236,12 +236,12 @@ fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 def loss_scale_value(loss_scale: Any) -> jax.Array:
-  """A float32 scalar from None (1), a uniform jmp_lite loss scale, or a number/array."""
+  """A float32 scalar from None (1), a jmp_lite loss scale's ``gradient_scale``, or a number."""
   if loss_scale is None:
     return jnp.ones((), F32)
-  # A layer-wise scale is refused: each stage's gradients carry their own scale, which the
-  # matmul cannot know; its own per-tensor gradient scale already adapts to each matmul.
-  return uniform_scale_value(
+  # A loss scale without one gradient scale (layer-wise, several stages) is refused: the matmul
+  # cannot know which scale its gradient carries; its own per-tensor scale adapts to it anyway.
+  return gradient_scale_value(
     loss_scale,
     instead="fp8's delayed scaling already scales each matmul's output gradient on its own: "
     "use jl.DynamicLossScale (or jl.NoOpLossScale with bf16) for the 16-bit parts, or "

@@ -137,8 +137,6 @@ mx_matmul.defvjp(_fwd, _bwd)
 
 @functools.cache
 def _native_support(backend: str) -> tuple[bool, str]:
-  if not hasattr(jax.nn, "scaled_dot_general"):
-    return False, f"jax {jax.__version__} has no jax.nn.scaled_dot_general"
   configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
   dims = (((2,), (2,)), ((0,), (0,)))
   probe = jax.jit(lambda a, b: jax.nn.scaled_dot_general(a, b, dims, configs=configs))

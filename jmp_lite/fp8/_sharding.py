@@ -1,9 +1,8 @@
 """How the fp8 matmul types its results under shard_map and explicit sharding (private).
 
-JAX-version glue lives here once: the abstract value of an array, the mesh
-axes it varies over under ``shard_map`` (``manual_axis_type`` from jax 0.9,
-``vma`` before), and marking an array as varying (``lax.pcast``, or
-``lax.pvary`` on older JAX).
+The mesh axes an array varies over under ``shard_map`` come from
+:func:`jmp_lite._compat.varying_axes`; an array is marked as varying with
+``lax.pcast``.
 """
 
 from __future__ import annotations
@@ -14,18 +13,7 @@ from typing import Any
 import jax
 from jax import lax
 
-
-def _aval(x: Any) -> Any:
-  return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)  # type: ignore[attr-defined]
-
-
-def varying_axes(x: Any) -> frozenset:
-  """The shard_map mesh axes over which x varies (empty outside shard_map)."""
-  aval = _aval(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-  if manual is not None:
-    return frozenset(getattr(manual, "varying", ()))
-  return frozenset(getattr(aval, "vma", ()))
+from jmp_lite import _compat
 
 
 def _sorted_axes(axes: frozenset) -> tuple:
@@ -36,9 +24,7 @@ def vary(x: jax.Array, axes: frozenset) -> jax.Array:
   """Marks an invariant x as varying over ``axes`` (its transpose sums over them)."""
   if not axes:
     return x
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, _sorted_axes(axes), to="varying")
-  return lax.pvary(x, _sorted_axes(axes))  # type: ignore[attr-defined]  # older JAX
+  return lax.pcast(x, _sorted_axes(axes), to="varying")
 
 
 def vary_like_union(*xs: jax.Array) -> tuple[frozenset, tuple[jax.Array, ...]]:
@@ -48,8 +34,8 @@ def vary_like_union(*xs: jax.Array) -> tuple[frozenset, tuple[jax.Array, ...]]:
   cotangent of an operand that was invariant is then summed over the axes it
   was broadcast along).
   """
-  axes = frozenset().union(*(varying_axes(x) for x in xs))
-  return axes, tuple(vary(x, axes - varying_axes(x)) for x in xs)
+  axes = frozenset().union(*(_compat.varying_axes(x) for x in xs))
+  return axes, tuple(vary(x, axes - _compat.varying_axes(x)) for x in xs)
 
 
 def match_varying(amax: jax.Array, axes: frozenset) -> jax.Array:
@@ -58,7 +44,7 @@ def match_varying(amax: jax.Array, axes: frozenset) -> jax.Array:
   JAX would otherwise *sum* the cotangent over the axes the probe is
   invariant along, as it does for parameters; an amax must be max-reduced.
   """
-  have = varying_axes(amax)
+  have = _compat.varying_axes(amax)
   if have - axes:
     amax = lax.pmax(amax, _sorted_axes(have - axes))
   return vary(amax, axes - have)
@@ -72,7 +58,7 @@ def result_sharding(operand: jax.Array, axes: list[int]) -> Any:
   spec is permuted here to the matmul's output order (as JAX's own transpose
   rule for dot_general does). ``None`` outside explicit sharding.
   """
-  sharding = getattr(_aval(operand), "sharding", None)
+  sharding = jax.typeof(operand).sharding
   if not isinstance(sharding, jax.sharding.NamedSharding):
     return None
   if sharding.mesh.empty:  # an unsharded operand inside a computation over a mesh

@@ -69,20 +69,20 @@ loss scale and its rule), ``_check`` (:func:`check_stages`).
 
 from jmp_lite.layerwise._boundary import HIST_BINS, HIST_MIN_EXP, BoundaryStats, stage_boundary
 from jmp_lite.layerwise._check import check_stages
-from jmp_lite.layerwise._scale import LayerwiseGrads, LayerwiseLossScale
-from jmp_lite.layerwise._stages import StackedStages, stages_from_paths
+from jmp_lite.layerwise._scale import LayerwiseLossScale
+from jmp_lite.layerwise._stages import StackedStages, StageTree, stages_from_paths
 
 __all__ = (
   # Stages and their boundaries
   "stage_boundary",
   "StackedStages",
+  "StageTree",
   "stages_from_paths",
   "BoundaryStats",
   "HIST_MIN_EXP",
   "HIST_BINS",
   # The scale rule
   "LayerwiseLossScale",
-  "LayerwiseGrads",
   # Debugging
   "check_stages",
 )

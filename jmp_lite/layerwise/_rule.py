@@ -131,7 +131,7 @@ def step(
   specs: Sequence[Spec],
   boundary: BoundaryStats | None,
   axis_name: Any,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, dict[str, Any]]:
   """One step of the rule: whether the gradients are finite, and the next state.
 
   Args:
@@ -195,7 +195,7 @@ def step(
   }
 
 
-def back_off(scale: Any, finite: jax.Array) -> dict[str, jax.Array]:
+def back_off(scale: Any, finite: jax.Array) -> dict[str, Any]:
   """The next state without statistics: on overflow every stage backs off once."""
   backed = jnp.maximum(scale.scales / scale.backoff_factor, jnp.asarray(scale.min_loss_scale))
   return {

@@ -78,6 +78,46 @@ def flatten_stages(param_stages: Any) -> tuple[Any, tuple[Spec, ...], int]:
   return treedef, tuple(specs), largest
 
 
+class StageTree:
+  """A checked ``param_stages``, as static pytree data: hashable, and equal to its tree.
+
+  A loss scale's configuration is part of its treedef, so it must be hashable;
+  a user's ``param_stages`` (dicts, lists) is not. This holds its treedef and
+  stage specs, compares equal to any ``param_stages`` with the same ones, and
+  prints as the tree.
+  """
+
+  __slots__ = ("specs", "treedef")
+
+  def __init__(self, param_stages: Any):
+    treedef, specs, _ = flatten_stages(param_stages)
+    self.treedef, self.specs = treedef, specs
+
+  @property
+  def tree(self) -> Any:
+    """The stages as a pytree: the user's containers, stage indices as leaves."""
+    return jax.tree.unflatten(self.treedef, self.specs)
+
+  @property
+  def largest(self) -> int:
+    """The largest stage index."""
+    return max(max(spec) if isinstance(spec, StackedStages) else spec for spec in self.specs)
+
+  def __eq__(self, other: Any) -> bool:
+    if not isinstance(other, StageTree):
+      try:
+        other = StageTree(other)
+      except (TypeError, ValueError):
+        return NotImplemented
+    return (self.treedef, self.specs) == (other.treedef, other.specs)
+
+  def __hash__(self) -> int:
+    return hash((self.treedef, self.specs))
+
+  def __repr__(self) -> str:
+    return repr(self.tree)
+
+
 def check_in_range(specs: Sequence[Spec], num_stages: int) -> None:
   """Raises ValueError if a stage index is outside ``[0, num_stages)``."""
   for spec in specs:
@@ -90,12 +130,15 @@ def leaf_specs(param_stages: Any, grads: Any) -> list[Spec]:
   """The stage spec of every leaf of ``grads`` (``param_stages`` may be a prefix).
 
   Args:
-    param_stages: the stage of every parameter (a checked ``param_stages``).
+    param_stages: the stage of every parameter (a :class:`StageTree`, or a
+      checked ``param_stages``).
     grads: a pytree with the parameters' structure.
 
   Returns:
     One spec per leaf of ``grads``, in ``jax.tree.leaves`` order.
   """
+  if isinstance(param_stages, StageTree):
+    param_stages = param_stages.tree
   try:
     per_leaf = jax.tree.map(
       lambda spec, subtree: jax.tree.map(lambda _: spec, subtree),

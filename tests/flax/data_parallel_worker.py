@@ -1,4 +1,4 @@
-"""One case of ``tests/flax/test_flax_data_parallel.py``, run in a process of its own.
+"""One case of ``tests/flax/test_data_parallel.py``, run in a process of its own.
 
 Usage: ``python data_parallel_worker.py CASE`` with 8 host devices (``XLA_FLAGS``). A small
 linen MLP with BatchNorm (case ``linen_pmap``: ``jl.flax.TrainState`` under ``jax.pmap``) or an

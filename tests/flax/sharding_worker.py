@@ -1,4 +1,4 @@
-"""One case of ``tests/flax/test_flax_sharding.py``, run in a process of its own.
+"""One case of ``tests/flax/test_sharding.py``, run in a process of its own.
 
 Usage: ``python sharding_worker.py CASE`` with 8 host devices (``XLA_FLAGS``). A small causal
 language model (``nn.Embed``, ``nn.LayerNorm``, ``nn.MultiHeadDotProductAttention``, a GELU MLP,

@@ -128,7 +128,7 @@ def _linen_einsum(module: nn.Einsum, config: Any, loss_scale, inputs, einsum_str
   repeats its few lines: same parameter names, shapes, initializers and dtype
   promotion, so parameters are interchangeable with the plain layer's.
   """
-  einsum_str = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str)
+  einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str)
   einsum_str = einsum_str.replace(" ", "")
   if "->" not in einsum_str:
     raise ValueError('`einsum_str` equation must be explicit and include "->".')

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import fp8
-from jmp_lite._loss_scale import LossScale, NoOpLossScale, StaticLossScale
+from jmp_lite._loss_scale import (
+  LossScale,
+  NoOpLossScale,
+  ScaledGrads,
+  StaticLossScale,
+  is_loss_scale,
+)
 from jmp_lite.flax.fp8._common import config_of_spec
 from jmp_lite.flax.fp8._placement import check_patterns, record, warn_if_no_fp8
 from jmp_lite.fp8._einsum import einsum_dot_shapes
@@ -394,12 +400,6 @@ def nnx_calibrate(
   return calibrate
 
 
-def _split_state(state: nnx.State, *filters: Any) -> tuple[nnx.State, ...]:
-  if hasattr(nnx, "split_state"):  # flax >= 0.11; State.filter is deprecated there
-    return nnx.split_state(state, *filters)
-  return state.filter(*filters)
-
-
 def nnx_value_and_grad(
   fun: Callable[..., Any],
   *,
@@ -436,7 +436,7 @@ def nnx_value_and_grad(
   """
   if loss_scale is None:
     scaling: LossScale = NoOpLossScale()
-  elif isinstance(loss_scale, LossScale):
+  elif is_loss_scale(loss_scale):
     scaling = loss_scale
   else:
     scaling = StaticLossScale(loss_scale)
@@ -462,8 +462,9 @@ def nnx_value_and_grad(
     finally:
       for variable in scales:
         variable.set_value(jnp.ones((), jnp.float32))
-    amax, param_grads = _split_state(grads, Fp8Amax, ...)
+    scaled = ScaledGrads.of(grads)
+    amax, param_grads = nnx.split_state(scaled.grads, Fp8Amax, ...)
     nnx_update(model, amax, axis_name=axis_name)
-    return value, param_grads
+    return value, scaled._replace(grads=param_grads).packed()
 
   return value_and_grad

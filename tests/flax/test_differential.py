@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax_testing import BF16, F16, F32, LinenLM, jit, leaf_rel_errors, lm_loss, tokens
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import jmp_lite.flax as jlf
+
+from .flax_testing import BF16, F16, F32, LinenLM, jit, leaf_rel_errors, lm_loss, tokens
 
 POLICY = "p=f32,c=bf16,o=f32"
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)

@@ -4,7 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_testing import (
+
+import jmp_lite.flax as jlf
+
+from .flax_testing import (
   BF16,
   F32,
   check_lean_products,
@@ -14,8 +17,6 @@ from flax_testing import (
   primitive_dtypes,
   products,
 )
-
-import jmp_lite.flax as jlf
 
 
 def _random(shape, seed, dtype=F32):

@@ -13,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_testing import (
+
+import jmp_lite.flax as jlf
+
+from .flax_testing import (
   BF16,
   F16,
   F32,
@@ -27,8 +30,6 @@ from flax_testing import (
   rel_error,
   tokens,
 )
-
-import jmp_lite.flax as jlf
 
 # The operations the op table computes in fp32 (what a 16-bit policy must not run in 16 bits).
 FP32_OPS = ("exp", "rsqrt", "reduce_sum")

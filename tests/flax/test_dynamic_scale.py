@@ -21,12 +21,14 @@ import pytest
 from flax import serialization, struct
 from flax.training import dynamic_scale as flax_lib
 from flax.training import train_state
-from flax_testing import jit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jmp_lite.flax as jlf
+from jmp_lite import _compat
 from jmp_lite.flax import dynamic_scale as ours_lib
+
+from .flax_testing import jit
 
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = float(np.finfo(np.float32).tiny)
@@ -244,7 +246,7 @@ def test_scale_is_strongly_typed_float32_so_jit_compiles_once():
       ds, is_fin, value, _ = step(ds, p)
       finite.append(bool(is_fin))
       values.append(float(value))
-    results[name] = (finite, values, step._cache_size())
+    results[name] = (finite, values, _compat.jit_cache_size(step))
   # 65536 overflows fp16 gradients in both (the first two steps back off). Flax's Python-float
   # default multiplies the fp16 loss in fp16, where 65536 is inf (value inf / inf = NaN), then
   # turns strongly typed after the first step, so the step compiles a second time.
@@ -340,7 +342,7 @@ def test_jit_traces_once_across_steps_and_dynamic_scales():
   for p in [1.0, jnp.inf, 1.0]:
     ds, *_ = step(ds, jnp.float32(p))
   ds, *_ = step(jlf.DynamicScale(growth_interval=1, scale=2.0**-3, fin_steps=5), jnp.float32(1))
-  assert step._cache_size() == 1 and float(ds.scale) == 2.0**-2
+  assert _compat.jit_cache_size(step) == 1 and float(ds.scale) == 2.0**-2
 
 
 def test_pytree_roles_match_flax():

@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_testing import (
+
+import jmp_lite.flax as jlf
+
+from .flax_testing import (
   BF16,
   F16,
   F32,
@@ -28,8 +31,6 @@ from flax_testing import (
   rel_error,
   tokens,
 )
-
-import jmp_lite.flax as jlf
 
 POLICY = "p=f32,c=bf16,o=f32"
 

@@ -6,7 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax_testing import (
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+
+from .flax_testing import (
   F32,
   LinenConvNet,
   LinenLM,
@@ -17,9 +21,6 @@ from flax_testing import (
   lm_loss,
   tokens,
 )
-
-import jmp_lite as jl
-import jmp_lite.flax as jlf
 
 F16_POLICY = "params=float32,compute=float16,output=float32"
 

@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from flax_testing import BF16, F16, F32, explicit_dtype_warnings
 from jax import lax
 
 import jmp_lite as jl
 import jmp_lite.flax as jlf
 from jmp_lite.flax._module_policy import as_module_policies
 from jmp_lite.flax._resolved_precision import attribute_updates, explicit_dtype, resolve
+
+from .flax_testing import BF16, F16, F32, explicit_dtype_warnings
 
 POLICY = "p=f32,c=bf16,o=f32"
 

@@ -6,7 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax_testing import (
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+
+from .flax_testing import (
   BF16,
   F16,
   F32,
@@ -29,9 +33,6 @@ from flax_testing import (
   rel_error,
   tokens,
 )
-
-import jmp_lite as jl
-import jmp_lite.flax as jlf
 
 POLICY = "p=f32,c=bf16,o=f32"
 

@@ -4,7 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax_testing import (
+from jax import lax
+
+import jmp_lite.flax as jlf
+from jmp_lite.flax import _accumulate as accumulate
+
+from .flax_testing import (
   BF16,
   F16,
   F32,
@@ -15,10 +20,6 @@ from flax_testing import (
   out_dtype,
   products,
 )
-from jax import lax
-
-import jmp_lite.flax as jlf
-from jmp_lite.flax import _accumulate as accumulate
 
 DOT_CASES = [
   # (lhs shape, rhs shape, dimension numbers)

@@ -18,9 +18,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_testing import BF16, F32, check_lean_products, eqns, in_dtypes, jit, products
 
 import jmp_lite.flax as jlf
+
+from .flax_testing import BF16, F32, check_lean_products, eqns, in_dtypes, jit, products
 
 WIDTH, LAYERS, ENSEMBLE, BATCH, OUT = 8, 3, 2, 3, 5
 FP32_POLICY, POLICY = "p=f32,c=f32,o=f32", "p=f32,c=bf16,o=f32"

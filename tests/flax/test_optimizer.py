@@ -4,7 +4,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_testing import (
+
+import jmp_lite as jl
+import jmp_lite.flax as jlf
+
+from .flax_testing import (
   F32,
   NnxConvNet,
   NnxLM,
@@ -16,9 +20,6 @@ from flax_testing import (
   nnx_model,
   tokens,
 )
-
-import jmp_lite as jl
-import jmp_lite.flax as jlf
 
 F16_POLICY = "params=float32,compute=float16,output=float32"
 
@@ -138,7 +139,7 @@ def test_layerwise_loss_scale_gives_true_gradients():
     return nnx.as_pure(true), grads
 
   true, grads = nnx_compiled(step, model, optimizer)()
-  assert isinstance(grads, jl.layerwise.LayerwiseGrads)
+  assert isinstance(grads, jl.ScaledGrads)
   moved = jax.tree.map(lambda a, b: (b - a) / -lr, params, nnx.as_pure(nnx.state(model, nnx.Param)))
   for name, err in leaf_rel_errors(moved, true).items():
     assert err < 1e-6, name  # stage 0 arrived 2^-6 of its true value when scaled by S_2 only
