@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_lite import _compat
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._quantize import quantize
-from jmp_lite.fp8._sharding import vary, varying_axes
+from jmp_lite.fp8._sharding import vary
 
 TILE = 128
 
@@ -115,7 +116,7 @@ def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision, axes=()) ->
     # over the chunks would write K / 128 fp32 products of the output's size.
     q_a, row_a = tile
     # Under shard_map the sum varies over the axes its operands do (a loop carry keeps its type).
-    varying = frozenset().union(*map(varying_axes, (q_a, q_b, row_a, row_b)))
+    varying = frozenset().union(*map(_compat.varying_axes, (q_a, q_b, row_a, row_b)))
     acc = vary(jnp.zeros((batch, rows, padded_n), F32), varying)
     acc, _ = lax.scan(add_chunk, acc, (q_a, q_b, row_a, row_b))
     return None, (lax.psum(acc, axes) if axes else acc).astype(out_dtype)

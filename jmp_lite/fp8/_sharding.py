@@ -74,7 +74,7 @@ def result_sharding(operand: jax.Array, axes: list[int]) -> Any:
 
 def _spec(x: jax.Array) -> tuple | None:
   """``x``'s partition spec, one entry per axis, if it is sharded over explicit mesh axes."""
-  sharding = getattr(_aval(x), "sharding", None)
+  sharding = jax.typeof(x).sharding
   if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty:
     return None
   spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
@@ -110,7 +110,7 @@ def rows_local(matmul: Any, a: jax.Array, b: jax.Array) -> jax.Array:
   spec_a, spec_b = _spec(a), _spec(b)
   if spec_a is None and spec_b is None:
     return matmul(a, b, ())
-  mesh = _aval(a if spec_a is not None else b).sharding.mesh
+  mesh = jax.typeof(a if spec_a is not None else b).sharding.mesh
   batch, rows = (spec_a or (None, None, None))[:2]
   spec = jax.sharding.PartitionSpec
   a_spec, b_spec = spec(batch, rows, None), spec(batch, None, None)
@@ -124,7 +124,7 @@ def rows_local(matmul: Any, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _named(x: jax.Array, spec: Any) -> Any:
-  return jax.sharding.NamedSharding(_aval(x).sharding.mesh, jax.sharding.PartitionSpec(*spec))
+  return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def merge_axes(x: jax.Array, groups: tuple[int, ...]) -> jax.Array:
@@ -155,7 +155,7 @@ def split_axes(x: jax.Array, groups: tuple[int, ...], shape: list[int]) -> jax.A
   spec = _spec(x)
   if spec is None:
     return x.reshape(shape)
-  mesh, kept, out, start = _aval(x).sharding.mesh, list(spec), [], 0
+  mesh, kept, out, start = jax.typeof(x).sharding.mesh, list(spec), [], 0
   for i, n in enumerate(groups):
     entry = spec[i] if n else None
     devices = math.prod(mesh.shape[a] for a in _axes(entry))
