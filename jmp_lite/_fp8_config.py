@@ -1,9 +1,9 @@
 """fp8 configuration: the formats of fp8 matmuls and how their scales adapt (private).
 
 This module sits below the policy module (imports flow ``_dtypes`` ->
-``_fp8_config`` -> ``_policy`` -> ... -> ``fp8``): ``_policy`` parses the
-``fp8=`` key of a policy string into an :class:`Fp8Config`, and the fp8 package
-builds on both. It imports nothing of jmp_lite but dtypes and validation.
+``_fp8_config`` -> ``_policy`` -> ... -> ``fp8``): the fp8 package's recipes
+(delayed scaling is an :class:`Fp8Config`) and fp8 policies build on both. It
+imports nothing of jmp_lite but dtypes and validation.
 """
 
 from __future__ import annotations

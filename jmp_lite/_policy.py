@@ -8,28 +8,28 @@ and backward pass, and returns outputs (e.g. logits fed to the loss) in fp32::
   logits = model.apply(policy.cast_to_compute(params), policy.cast_to_compute(x))
   loss = cross_entropy(policy.cast_to_output(logits), labels)
 
-An :class:`Fp8Policy` adds fp8 matmuls to a policy. Both are spelled in one
-grammar, a comma-separated list of ``key=value`` parts (``params``/``p``,
-``compute``/``c``, ``output``/``o``, and ``fp8`` for :func:`get_fp8_policy`)
-or a single dtype or Keras policy name; one parser reads it for
-:func:`get_policy` and :func:`get_fp8_policy`, with one style of error.
+An :class:`~jmp_lite.fp8.Fp8Policy` adds fp8 matmuls to a policy. Both are
+spelled in one grammar, a comma-separated list of ``key=value`` parts
+(``params``/``p``, ``compute``/``c``, ``output``/``o``, and ``fp8`` for
+:func:`~jmp_lite.fp8.get_fp8_policy`) or a single dtype or Keras policy name;
+one parser (:func:`parse_spec`) reads it for :func:`get_policy` and
+:func:`~jmp_lite.fp8.get_fp8_policy`, with one style of error.
 
-Imports flow ``_dtypes`` -> ``_fp8_config`` -> here -> ... -> ``fp8``: the
-fp8 recipe is an :class:`~jmp_lite.fp8.Fp8Config`, which needs nothing of the
-fp8 implementation.
+Imports flow ``_dtypes`` -> here -> ... -> ``fp8``: the fp8 policy holds an fp8
+recipe, which carries its matmul, so it lives in the fp8 package and reads the
+``fp8=`` value there; this module parses the parts and the dtype keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes as dtypes
-from jmp_lite._fp8_config import E4M3, E5M2, Fp8Config, as_config, as_fp8_dtype
 
 T = TypeVar("T")
 
@@ -47,13 +47,7 @@ _KEYS = {
   "o": "output",
   "output": "output",
 }
-_FP8_KEY = "fp8"
-# fp8 recipes by name: (forward format, backward format).
-_RECIPES = {
-  "hybrid": (E4M3, E5M2),
-  "e4m3": (E4M3, E4M3),
-  "e5m2": (E5M2, E5M2),
-}
+FP8_KEY = "fp8"
 
 
 def cast_floating(tree: T, dtype: dtypes.DTypeLike) -> T:
@@ -192,69 +186,45 @@ class Policy:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Policy:
-  """A precision policy plus fp8 matmuls (hashable, jit-static).
-
-  ``str(p)`` spells it back, e.g. ``"p=f32,c=bf16,o=f32,fp8=hybrid"``; only the
-  formats are spelled, the history length, algorithm and margin are not.
-
-  Attributes:
-    policy: the dtypes of everything that is not an fp8 matmul (its compute
-      dtype is never fp8).
-    config: the fp8 recipe for matmuls (an :class:`~jmp_lite.fp8.Fp8Config`),
-      or ``None`` for no fp8.
-
-  >>> str(Fp8Policy(get_policy("p=f32,c=bf16,o=f32"), Fp8Config()))
-  'p=f32,c=bf16,o=f32,fp8=hybrid'
-  """
-
-  policy: Policy
-  config: Fp8Config | None = None
-
-  def __post_init__(self):
-    if not isinstance(self.policy, Policy):
-      raise TypeError(f"policy must be a jmp_lite Policy, got {type(self.policy).__name__}.")
-    if dtypes.is_float8(self.policy.compute_dtype):
-      raise ValueError(
-        f"Fp8Policy.policy has compute dtype {np.dtype(self.policy.compute_dtype).name}; use a "
-        "16/32-bit compute dtype for non-matmul ops and put the fp8 recipe in config."
-      )
-    if self.config is not None:
-      as_config(self.config)
-
-  def __str__(self) -> str:
-    if self.config is None:
-      return str(self.policy)
-    return f"{self.policy},fp8={_recipe_name(self.config)}"
-
-
 # -----------------------------------------------------------------------------
 # The grammar
 
 
-class _Parsed(NamedTuple):
+class Parsed(NamedTuple):
+  """A policy string split into its parts."""
+
   name: str | None  # a dtype or Keras policy name standing for the whole policy
   values: dict[str, str]  # canonical key -> value, as written (lower case)
 
 
-def _parse(spec: str, *, fp8: bool) -> _Parsed:
+def parse_spec(spec: str, *, fp8: bool) -> Parsed:
   """Splits a policy string into its parts and checks their keys (not their values).
 
   A part is ``key=value``; a part without ``=`` is a dtype or Keras policy
   name, allowed when it is the only part besides ``fp8=``.
+
+  Args:
+    spec: the policy string.
+    fp8: whether the ``fp8`` key is accepted (:func:`~jmp_lite.fp8.get_fp8_policy`).
+
+  Returns:
+    The :class:`Parsed` parts, values lower case.
+
+  Raises:
+    ValueError: naming the part, for an empty string, a malformed part, or an
+      unknown or repeated key.
   """
   text = spec.strip().lower()
   if not text:
     raise ValueError(
       "Empty policy string; expected e.g. 'p=f32,c=bf16,o=f32', 'half', or 'mixed_bfloat16'."
     )
-  keys = {**_KEYS, _FP8_KEY: _FP8_KEY} if fp8 else _KEYS
+  keys = {**_KEYS, FP8_KEY: FP8_KEY} if fp8 else _KEYS
   expected = "params/p, compute/c, output/o or fp8" if fp8 else "params/p, compute/c or output/o"
   parts = [part.strip() for part in text.split(",")]
   # The parts besides `fp8=...`: a bare `fp8` is a part like any other (and then malformed).
   named_parts = sum(
-    not (sep and key.strip() == _FP8_KEY) for key, sep, _ in (p.partition("=") for p in parts)
+    not (sep and key.strip() == FP8_KEY) for key, sep, _ in (p.partition("=") for p in parts)
   )
   name, values = None, {}
   for part in parts:
@@ -267,16 +237,24 @@ def _parse(spec: str, *, fp8: bool) -> _Parsed:
         f"Malformed part {part!r} in policy {spec!r}: expected key=value with key {expected}."
       )
     if key not in keys:
-      hint = " (fp8= is read by get_fp8_policy)" if key == _FP8_KEY else ""
+      hint = " (fp8= is read by get_fp8_policy)" if key == FP8_KEY else ""
       raise ValueError(f"Unknown key {key!r} in policy {spec!r}; expected {expected}{hint}.")
     if keys[key] in values:
       raise ValueError(f"Key {keys[key]!r} given twice in policy {spec!r}.")
     values[keys[key]] = value
-  return _Parsed(name, values)
+  return Parsed(name, values)
 
 
-def _policy_of(parsed: _Parsed, spec: str) -> Policy:
-  """The :class:`Policy` of the ``params``/``compute``/``output`` parts (or of the name)."""
+def policy_of(parsed: Parsed, spec: str) -> Policy:
+  """The :class:`Policy` of the ``params``/``compute``/``output`` parts (or of the name).
+
+  Args:
+    parsed: what :func:`parse_spec` read.
+    spec: the policy string, for the error messages.
+
+  Returns:
+    The :class:`Policy`.
+  """
   if parsed.name is not None:
     if parsed.name in _KERAS_POLICIES:
       return Policy(*_KERAS_POLICIES[parsed.name])
@@ -292,32 +270,6 @@ def _policy_of(parsed: _Parsed, spec: str) -> Policy:
   compute = given.get("compute", params)
   output = given.get("output", params if dtypes.is_float8(compute) else compute)
   return Policy(params, compute, output)
-
-
-def _recipe_of(value: str, spec: str) -> tuple[np.dtype, np.dtype] | None:
-  """(forward, backward) fp8 formats of an ``fp8=`` value; ``None`` for no fp8."""
-  if value in ("none", "off"):
-    return None
-  if value in _RECIPES:
-    return _RECIPES[value]
-  fwd, sep, bwd = value.partition("/")
-  if sep:
-    try:
-      return (as_fp8_dtype(fwd.strip(), "fp8 forward format"),
-              as_fp8_dtype(bwd.strip(), "fp8 backward format"))  # fmt: skip
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"In policy {spec!r}: {e}") from e
-  raise ValueError(
-    f"Unknown fp8 recipe {value!r} in policy {spec!r}; expected hybrid (e4m3 forward, e5m2 "
-    "backward), e4m3, e5m2, none, or forward/backward formats such as f8e4m3/f8e5m2."
-  )
-
-
-def _recipe_name(config: Fp8Config) -> str:
-  for name, formats in _RECIPES.items():
-    if formats == (config.fwd_dtype, config.bwd_dtype):
-      return name
-  return f"{dtypes.dtype_name(config.fwd_dtype)}/{dtypes.dtype_name(config.bwd_dtype)}"
 
 
 # -----------------------------------------------------------------------------
@@ -340,7 +292,7 @@ def get_policy(policy_name: str | Policy) -> Policy:
 
   Whitespace around keys, values and commas is ignored, and so is case.
   ``str(policy)`` gives a string that parses back to an equal policy. The
-  ``fp8=`` key of the same grammar is read by :func:`get_fp8_policy`.
+  ``fp8=`` key of the same grammar is read by :func:`~jmp_lite.fp8.get_fp8_policy`.
 
   Args:
     policy_name: the policy string, or a :class:`Policy` (returned as is).
@@ -368,77 +320,7 @@ def get_policy(policy_name: str | Policy) -> Policy:
       f"get_policy expects a string such as 'p=f32,c=bf16,o=f32', got "
       f"{policy_name!r} of type {type(policy_name).__name__}."
     )
-  return _policy_of(_parse(policy_name, fp8=False), policy_name)
-
-
-def get_fp8_policy(spec: str | Policy | Fp8Policy, **config_kwargs: Any) -> Fp8Policy:
-  """Parses a policy with fp8 matmuls.
-
-  Two spellings:
-
-  * :func:`get_policy`'s grammar plus an ``fp8=`` key:
-    ``"p=f32,c=bf16,o=f32,fp8=hybrid"`` runs Dense/DenseGeneral/Einsum
-    matmuls in fp8 (E4M3 forward, E5M2 backward) and everything else as
-    ``p=f32,c=bf16,o=f32``. Recipes: ``hybrid``, ``e4m3``, ``e5m2``,
-    ``none``, or ``<fwd>/<bwd>`` dtype names. ``"fp8=hybrid"`` alone keeps
-    everything else in float32.
-  * an fp8 compute dtype, which :func:`get_policy` already accepts:
-    ``"p=f32,c=f8e4m3"`` means fp8 matmuls with that forward format (E5M2
-    backward for E4M3) and everything else in the param dtype.
-
-  Args:
-    spec: the string, a :class:`Policy`, or an :class:`Fp8Policy` (returned
-      as is when no ``config_kwargs`` are given).
-    **config_kwargs: further :class:`~jmp_lite.fp8.Fp8Config` fields
-      (``amax_history_length``, ``amax_compute_algo``, ``margin``,
-      ``fast_accumulation``).
-
-  Returns:
-    The :class:`Fp8Policy`; its ``config`` is ``None`` when ``spec`` asks for
-    no fp8.
-
-  Raises:
-    ValueError: for what :func:`get_policy` rejects, an unknown recipe, both
-      an fp8 compute dtype and an ``fp8=`` recipe, or ``config_kwargs`` for a
-      policy without fp8.
-    TypeError: for an argument that is not a string or policy.
-
-  >>> str(get_fp8_policy("params=float32, compute=bfloat16, output=float32, fp8=hybrid"))
-  'p=f32,c=bf16,o=f32,fp8=hybrid'
-  >>> str(get_fp8_policy("p=f32,c=f8e4m3"))
-  'p=f32,c=f32,o=f32,fp8=hybrid'
-  """
-  if isinstance(spec, Fp8Policy):
-    if not config_kwargs:
-      return spec
-    if spec.config is None:
-      raise ValueError(f"fp8 options {sorted(config_kwargs)} given for a policy without fp8.")
-    return dataclasses.replace(spec, config=dataclasses.replace(spec.config, **config_kwargs))
-  recipe: tuple[np.dtype, np.dtype] | None = None
-  if isinstance(spec, Policy):
-    base = spec
-  elif isinstance(spec, str):
-    parsed = _parse(spec, fp8=True)
-    if _FP8_KEY in parsed.values:
-      recipe = _recipe_of(parsed.values[_FP8_KEY], spec)
-    base = _policy_of(parsed, spec)
-  else:
-    raise TypeError(
-      "get_fp8_policy expects a string such as 'p=f32,c=bf16,o=f32,fp8=hybrid', a Policy or an "
-      f"Fp8Policy, got {spec!r} of type {type(spec).__name__}."
-    )
-  if dtypes.is_float8(base.compute_dtype):
-    if recipe is not None:
-      raise ValueError(
-        f"Policy {spec!r} gives both an fp8 compute dtype and an fp8= recipe; use one of them."
-      )
-    recipe = (as_fp8_dtype(base.compute_dtype, "compute dtype"), E5M2)
-    base = Policy(base.param_dtype, base.param_dtype, base.output_dtype)
-  if recipe is None:
-    if config_kwargs:
-      raise ValueError(f"fp8 options {sorted(config_kwargs)} given for a policy without fp8.")
-    return Fp8Policy(base, None)
-  return Fp8Policy(base, Fp8Config(recipe[0], recipe[1], **config_kwargs))
+  return policy_of(parse_spec(policy_name, fp8=False), policy_name)
 
 
 def cast_to_full(tree: T) -> T:

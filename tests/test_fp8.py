@@ -322,7 +322,7 @@ def test_dot_general_error_within_format_bounds(recipe):
   For y = x @ k with e_x, e_k the per-element quantization errors,
   |y_fp8 - y| <= e_x @ (|k| + e_k) + |x| @ e_k; the same for dx = g @ k.T, dk = x.T @ g.
   """
-  config = fp8.get_fp8_policy(f"fp8={recipe}", amax_history_length=4).config
+  config = fp8.get_fp8_policy(f"fp8=delayed:{recipe}", amax_history_length=4).config
   fwd, bwd = config.fwd_dtype, config.bwd_dtype
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((16, 32)) * 3, jnp.float32)
@@ -398,7 +398,7 @@ def dequantized(v, scale, dtype):
 def test_bf16_results_are_the_scaled_fp32_sum_rounded_once(recipe):
   """A bf16 result is the product of the quantized operands (exact products, an fp32 sum,
   scaled in fp32) rounded once to bf16, forward and both gradients."""
-  config = fp8.get_fp8_policy(f"fp8={recipe}", amax_history_length=4).config
+  config = fp8.get_fp8_policy(f"fp8=delayed:{recipe}", amax_history_length=4).config
   fwd, bwd = config.fwd_dtype, config.bwd_dtype
   rng = np.random.default_rng(7)
   bf16 = jnp.bfloat16

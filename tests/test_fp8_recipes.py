@@ -767,8 +767,7 @@ STATELESS = {
 def test_stateless_recipes_under_fsdp_style_sharded_jit(name):
   """Tokens sharded over 8 devices and the kernel sharded along its input axis (FSDP's
   layout), on a mesh of automatic (GSPMD) axes: the sharded program computes what one device
-  does (sums may be reordered). On explicit axes the canonical reshapes are refused by JAX
-  (a ShardingTypeError), which docs/fp8.md lists as not done."""
+  does (sums may be reordered). Explicit axes: the next test."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
   recipe = STATELESS[name]
@@ -788,3 +787,102 @@ def test_stateless_recipes_under_fsdp_style_sharded_jit(name):
   assert got[0].sharding.num_devices == 8
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+def test_recipes_under_fsdp_style_sharding_on_explicit_axes():
+  """Tokens sharded over 8 explicit mesh axes and the kernel along its input axis (FSDP's
+  layout), under jit and grad: the output and the input gradient are one device's, bit for
+  bit (each device quantizes and multiplies its own rows); the weight gradient sums the
+  devices' fp32 partial sums, so it is one device's within fp32 rounding. Tokens that split a
+  weight-gradient tile across devices are refused at trace time."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+  recipes = {
+    **STATELESS,
+    "rowwise_gw_hp": fp8.RowwiseScaling(weight_grad="compute_dtype"),
+    "delayed": fp8.DelayedScaling(amax_history_length=4),
+  }
+  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices(), axis_types=(AxisType.Explicit,))
+  rng = np.random.default_rng(12)
+  # 1024 tokens: 128 per device, whole 1 x 128 tiles of block scaling's weight gradient.
+  x, w, g = normal(rng, (1024, 128)), normal(rng, (128, 8)), normal(rng, (1024, 8))
+
+  def loss(x, w, recipe):
+    y = fp8.dot_general(x, w, MATMUL, recipe.init_state(), config=recipe)
+    return jnp.sum(y * g), y
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  data = NamedSharding(mesh, PartitionSpec("data", None))
+  xs, ws = jax.device_put(x, data), jax.device_put(w, data)
+  for name, recipe in recipes.items():
+    (dx, dw), y = step(x, w, recipe)
+    with jax.set_mesh(mesh):
+      (dx_s, dw_s), y_s = step(xs, ws, recipe)
+    assert y_s.sharding.spec == PartitionSpec("data", None), name
+    assert dw_s.sharding.spec == PartitionSpec("data", None), name  # sharded as the kernel
+    np.testing.assert_array_equal(y_s, y, err_msg=name)
+    np.testing.assert_array_equal(dx_s, dx, err_msg=name)
+    np.testing.assert_allclose(dw_s, dw, rtol=0, atol=4e-7 * float(jnp.abs(dw).max()))
+  # A batch axis sharded and merged with the sequence into the tokens (einsum "bsd,df->bsf").
+  x3, g3 = x.reshape(8, 128, 128), g.reshape(8, 128, 8)
+
+  def loss3(x, w, recipe):
+    y = fp8.einsum("bsd,df->bsf", x, w, config=recipe)
+    return jnp.sum(y * g3), y
+
+  step3 = jax.jit(jax.grad(loss3, argnums=(0, 1), has_aux=True), static_argnums=2)
+  batch = NamedSharding(mesh, PartitionSpec("data", None, None))
+  for name in ("rowwise", "block", "mxfp8"):
+    (dx, dw3), y = step3(x3, w, recipes[name])
+    with jax.set_mesh(mesh):
+      (dx_s, dw_s), y_s = step3(jax.device_put(x3, batch), ws, recipes[name])
+    assert y_s.sharding.spec == dx_s.sharding.spec == PartitionSpec("data", None, None), name
+    np.testing.assert_array_equal(y_s, y, err_msg=name)
+    np.testing.assert_array_equal(dx_s, dx, err_msg=name)
+    np.testing.assert_allclose(dw_s, dw3, rtol=0, atol=4e-7 * float(jnp.abs(dw3).max()))
+  for recipe, tile in ((fp8.BlockScaling(), 128), (fp8.Mxfp8Scaling(), 32)):
+    with (
+      jax.set_mesh(mesh),
+      pytest.raises(
+        ValueError,
+        match=rf"{type(recipe).__name__} on explicit mesh axes \('data',\): each "
+        rf"device's tokens \(2\) must be a multiple of {tile}",
+      ),
+    ):
+      step(jax.device_put(x[:16], data), ws, recipe)
+
+
+# Recipes through the policy -----------------------------------------------------------------
+
+POLICY_RECIPES = {
+  "current": fp8.CurrentScaling(),
+  "delayed": fp8.DelayedScaling(amax_history_length=4),
+  "rowwise": fp8.RowwiseScaling(),
+  "block": fp8.BlockScaling(),
+  "mxfp8": fp8.Mxfp8Scaling(),
+}
+
+
+@pytest.mark.parametrize("name", POLICY_RECIPES)
+def test_policy_configured_matmul_is_the_recipe_passed_directly(name):
+  """``fp8=<name>`` builds the recipe itself: its matmul and both gradients are the directly
+  passed recipe's, bit for bit (delayed scaling with a fresh state, under jit)."""
+  recipe = POLICY_RECIPES[name]
+  options = {"amax_history_length": 4} if name == "delayed" else {}
+  config = fp8.get_fp8_policy(f"p=f32,c=bf16,o=f32,fp8={name}", **options).config
+  assert config == recipe
+  rng = np.random.default_rng(11)
+  x, w, g = (normal(rng, s).astype(jnp.bfloat16) for s in ((8, 64), (64, 16), (8, 16)))
+  state = recipe.init_state()
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(config, x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, state, config=config), x, w)
+    return y, *vjp(g)
+
+  want, got = run(recipe, x, w, g), run(config, x, w, g)
+  reference = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  # The recipe ran (an fp8 matmul differs from the bf16 one), and the policy's is the same.
+  assert not np.array_equal(np.asarray(want[0], np.float32), reference.astype(jnp.bfloat16))
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)

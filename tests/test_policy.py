@@ -296,10 +296,14 @@ def test_get_fp8_policy(spec, policy, recipe):
 
 
 def test_get_fp8_policy_config_options():
-  got = jl.fp8.get_fp8_policy("p=f32,c=bf16,fp8=hybrid", amax_history_length=16, margin=1)
-  assert got.config == jl.fp8.Fp8Config(amax_history_length=16, margin=1)
-  assert str(got) == "p=f32,c=bf16,o=bf16,fp8=hybrid"
-  assert jl.fp8.get_fp8_policy(got, margin=2).config.margin == 2.0
+  got = jl.fp8.get_fp8_policy("p=f32,c=bf16,fp8=delayed", amax_history_length=16, margin=1)
+  assert got.config == jl.fp8.DelayedScaling(amax_history_length=16, margin=1)
+  assert str(got) == "p=f32,c=bf16,o=bf16,fp8=delayed"
+  assert jl.fp8.get_fp8_policy(got, margin=2).config == jl.fp8.DelayedScaling(
+    amax_history_length=16, margin=2
+  )
+  current = jl.fp8.get_fp8_policy("fp8=hybrid", power_of_2=True).config
+  assert current == jl.fp8.CurrentScaling(power_of_2=True)
 
 
 @pytest.mark.parametrize(
@@ -310,7 +314,7 @@ def test_get_fp8_policy_config_options():
     ("c=f8e4m3,fp8=hybrid", {}, ValueError, "both an fp8 compute dtype and an fp8= recipe"),
     ("fp8=bf16/e5m2", {}, ValueError, "forward format must be an fp8 format"),
     ("p=f32,c=bf16", {"margin": 1}, ValueError, r"fp8 options \['margin'\]"),
-    ("fp8=hybrid", {"amax_history_length": 0}, ValueError, "got 0"),
+    ("fp8=delayed", {"amax_history_length": 0}, ValueError, "got 0"),
     ("p=f32,x=bf16,fp8=hybrid", {}, ValueError, "Unknown key 'x'"),
     (3, {}, TypeError, "get_fp8_policy expects a string"),
   ],
@@ -352,9 +356,9 @@ def test_get_fp8_policy_reads_the_same_grammar(text, error, match):
 def test_get_policy_points_fp8_keys_to_get_fp8_policy(text, match, policy, fwd_dtype):
   with pytest.raises(ValueError, match=match):
     jl.get_policy(text)
-  # get_fp8_policy reads it: the policy of the other parts (float32 if none), the recipe's
-  # formats (E5M2 gradients in both) and the defaults for the rest.
-  expected = jl.fp8.Fp8Config(fwd_dtype=np.dtype(fwd_dtype), bwd_dtype=np.dtype("float8_e5m2"))
+  # get_fp8_policy reads it: the policy of the other parts (float32 if none), the default
+  # recipe with the formats (E5M2 gradients in both) and the defaults for the rest.
+  expected = jl.fp8.CurrentScaling(np.dtype(fwd_dtype), np.dtype("float8_e5m2"))
   assert jl.fp8.get_fp8_policy(text) == jl.fp8.Fp8Policy(
     policy=jl.get_policy(policy), config=expected
   )
@@ -375,3 +379,96 @@ def test_get_fp8_policy_errors_name_the_part(spec, match):
   with pytest.raises(ValueError, match=match) as info:
     jl.fp8.get_fp8_policy(spec)
   assert f"in policy {spec!r}" in str(info.value)
+
+
+# fp8 policies name every recipe ---------------------------------------------------------
+
+RECIPES_BY_NAME = {
+  "current": jl.fp8.CurrentScaling(),
+  "delayed": jl.fp8.DelayedScaling(),
+  "rowwise": jl.fp8.RowwiseScaling(),
+  "block": jl.fp8.BlockScaling(),
+  "mxfp8": jl.fp8.Mxfp8Scaling(),
+}
+
+
+@pytest.mark.parametrize(
+  "value, recipe, spelled",
+  [
+    *((name, recipe, name) for name, recipe in RECIPES_BY_NAME.items()),
+    ("hybrid", jl.fp8.CurrentScaling(), "current"),  # formats alone: the default recipe
+    ("e4m3", jl.fp8.CurrentScaling(bwd_dtype=E4M3), "current:e4m3"),
+    ("delayed:e4m3", jl.fp8.DelayedScaling(bwd_dtype=E4M3), "delayed:e4m3"),
+    ("rowwise:hybrid", jl.fp8.RowwiseScaling(bwd_dtype=E5M2), "rowwise:hybrid"),
+    (" Block : E5M2 ", jl.fp8.BlockScaling(E5M2), "block:e5m2"),
+    ("mxfp8:f8e5m2/f8e4m3", jl.fp8.Mxfp8Scaling(E5M2, E4M3), "mxfp8:f8e5m2/f8e4m3"),
+  ],
+)
+def test_fp8_policy_names_every_recipe_and_spells_it_back(value, recipe, spelled):
+  got = jl.fp8.get_fp8_policy(f"p=f32,c=bf16,o=f32,fp8={value}")
+  assert got == jl.fp8.Fp8Policy(jl.get_policy("p=f32,c=bf16,o=f32"), recipe)
+  assert type(got.config) is type(recipe)
+  assert str(got) == f"p=f32,c=bf16,o=f32,fp8={spelled}"
+  assert jl.fp8.get_fp8_policy(str(got)) == got
+
+
+def test_fp8_policy_default_is_current_scaling():
+  base = jl.get_policy("p=f32,c=bf16,o=f32")
+  assert jl.fp8.Fp8Policy(base).config == jl.fp8.CurrentScaling()
+  assert jl.fp8.get_fp8_policy("fp8=hybrid").config == jl.fp8.CurrentScaling()
+  assert jl.fp8.get_fp8_policy("p=f32,c=f8e4m3").config == jl.fp8.CurrentScaling()
+  # An Fp8Config is delayed scaling with its fields, and is stored as the recipe.
+  config = jl.fp8.Fp8Policy(base, jl.fp8.Fp8Config(amax_history_length=8)).config
+  assert config == jl.fp8.DelayedScaling(amax_history_length=8)
+  assert type(config) is jl.fp8.DelayedScaling
+
+
+@pytest.mark.parametrize(
+  "spec, kwargs, error, match",
+  [
+    (
+      "fp8=rowwize",
+      {},
+      ValueError,
+      r"Unknown fp8 recipe 'rowwize' .*expected a recipe \(current, delayed, rowwise, block, "
+      r"mxfp8\), formats \(hybrid, e4m3, e5m2",
+    ),
+    ("fp8=fast:e4m3", {}, ValueError, r"Unknown fp8 recipe 'fast' in 'fast:e4m3'.*mxfp8"),
+    ("fp8=delayed:fast", {}, ValueError, r"Unknown fp8 recipe 'fast' .*delayed:hybrid"),
+    ("fp8=delayed:", {}, ValueError, r"Missing formats after 'delayed'"),
+    ("fp8=block:hybrid", {}, ValueError, "block scaling uses one format for every tensor"),
+    (
+      "fp8=current",
+      {"amax_history_length": 4},
+      ValueError,
+      r"fp8 options \['amax_history_length'\] given for CurrentScaling.*its options are "
+      r"\['fwd_dtype', 'bwd_dtype', 'power_of_2', 'margin', 'fast_accumulation'\]",
+    ),
+    ("fp8=delayed:e4m3", {"bwd_dtype": E5M2}, ValueError, r"\['bwd_dtype'\] given as keywords"),
+    ("fp8=none", {"margin": 1}, ValueError, "given for a policy without fp8"),
+  ],
+)
+def test_fp8_policy_recipe_errors_name_the_value_and_the_accepted(spec, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jl.fp8.get_fp8_policy(spec, **kwargs)
+
+
+def test_fp8_policy_refuses_what_is_not_a_recipe():
+  base = jl.get_policy("p=f32,c=bf16,o=f32")
+  with pytest.raises(TypeError, match=r"config must be an fp8 recipe .* got 'current' of type str"):
+    jl.fp8.Fp8Policy(base, "current")
+
+  class Unhashable:
+    __hash__ = None
+
+    def init_state(self):
+      return None
+
+    def dot_general(self, call, state, amax):
+      return call.lhs
+
+  with pytest.raises(TypeError, match="is not hashable; a recipe is static under jit"):
+    jl.fp8.Fp8Policy(base, Unhashable())
+  policy = jl.fp8.get_fp8_policy("fp8=rowwise")
+  with pytest.raises(ValueError, match=r"\['margin'\] given for RowwiseScaling"):
+    jl.fp8.get_fp8_policy(policy, margin=1)

@@ -67,14 +67,15 @@ training instead, with one pass under :func:`current_scaling`.
 (896.0, 32928.0)
 
 The modules behind this namespace: ``jmp_lite._fp8_config`` (:class:`Fp8Config`
-and its checks; below the policy module, which parses ``fp8=`` into it),
+and its checks, below the policy module),
 ``_scaling`` (the state and its update rules), ``_quantize``, ``_recipes``
 (:class:`Fp8Recipe`, the recipes and :func:`dot_general`), ``_matmul`` (the
 per-tensor matmul and its VJP), ``_sharding`` (its shard_map and
 explicit-sharding typing), ``_placement`` (:class:`Fp8Placement`: which layers
 of a Flax model run in fp8), ``_einsum`` and ``_current_scaling``
-(:func:`current_scaling`, :func:`calibrate`); :class:`Fp8Policy` and
-:func:`get_fp8_policy` live with the other policies in ``jmp_lite._policy``.
+(:func:`current_scaling`, :func:`calibrate`) and ``_fp8_policy``
+(:class:`Fp8Policy` and :func:`get_fp8_policy`: a policy plus a recipe, in
+``jmp_lite._policy``'s grammar).
 See ``docs/fp8.md`` for the design, the Flax integration
 (:mod:`jmp_lite.flax.fp8`) and the differences from ``flax.linen.fp8_ops``.
 """
@@ -86,9 +87,9 @@ from jmp_lite._fp8_config import (
   FAST_ACCUMULATION,
   Fp8Config,
 )
-from jmp_lite._policy import Fp8Policy, get_fp8_policy
 from jmp_lite.fp8._current_scaling import CurrentScalingScope, calibrate, current_scaling
 from jmp_lite.fp8._einsum import einsum
+from jmp_lite.fp8._fp8_policy import Fp8Policy, get_fp8_policy
 from jmp_lite.fp8._mx import native_support as mxfp8_native_support
 from jmp_lite.fp8._placement import ALL_LAYERS, Fp8Placement, MatmulRoofline, ShapeRule
 from jmp_lite.fp8._quantize import compute_amax, dequantize, quantize, quantize_dequantize

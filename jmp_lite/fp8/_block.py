@@ -30,9 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_lite import _compat
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._quantize import quantize
+from jmp_lite.fp8._sharding import vary
 
 TILE = 128
 
@@ -77,8 +79,11 @@ def _expand(scale: jax.Array, rows: int, cols: int) -> jax.Array:
 ROW_TILE = 1024
 
 
-def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision) -> jax.Array:
-  """``[B, M, K] x [B, N, K] -> [B, M, N]`` with tile scales and fp32 sums per 128 of K."""
+def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision, axes=()) -> jax.Array:
+  """``[B, M, K] x [B, N, K] -> [B, M, N]`` with tile scales and fp32 sums per 128 of K.
+
+  ``axes``: ``shard_map`` axes K is split over, in whole tiles: the fp32 sums add over them.
+  """
   (batch, m, _), n = a.shape, b.shape[1]
   a = _pad_to(_pad_to(a, 2, TILE), 1, a_rows)
   b = _pad_to(_pad_to(b, 2, TILE), 1, b_rows)
@@ -110,9 +115,11 @@ def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision) -> jax.Arra
     # Loops keep one row tile's fp32 sum and one chunk's product alive, where a dot batched
     # over the chunks would write K / 128 fp32 products of the output's size.
     q_a, row_a = tile
-    acc = jnp.zeros((batch, rows, padded_n), F32)
+    # Under shard_map the sum varies over the axes its operands do (a loop carry keeps its type).
+    varying = frozenset().union(*map(_compat.varying_axes, (q_a, q_b, row_a, row_b)))
+    acc = vary(jnp.zeros((batch, rows, padded_n), F32), varying)
     acc, _ = lax.scan(add_chunk, acc, (q_a, q_b, row_a, row_b))
-    return None, acc.astype(out_dtype)
+    return None, (lax.psum(acc, axes) if axes else acc).astype(out_dtype)
 
   _, out = lax.scan(row_tile, None, (q_a, row_a))  # [R, B, T, N]
   out = out.transpose(1, 0, 2, 3).reshape(batch, tiles * rows, padded_n)
@@ -128,11 +135,23 @@ class BlockSpec(NamedTuple):
   a_dtype: np.dtype
   b_dtype: np.dtype
   precision: Any
+  row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
+
+
+def check_local_tokens(tokens: int, tile: int, recipe: str, axes: tuple) -> None:
+  """Raises unless each device's share of the tokens is whole tiles of the weight gradient."""
+  if axes and tokens % tile:
+    raise ValueError(
+      f"{recipe} on explicit mesh axes {axes}: each device's tokens ({tokens}) must be a "
+      f"multiple of {tile}, the weight gradient's tiles along the tokens, for the sharded "
+      "program to quantize as one device does."
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def block_matmul(a, b, spec: BlockSpec):
   """``[B, M, K] x [B, N, K] -> [B, M, N]``: 1 x 128 tiles for ``a``, blocks for ``b``."""
+  check_local_tokens(a.shape[1], TILE, "BlockScaling", spec.row_axes)
   return block_product(a, b, 1, spec.weight_rows, spec.dtype, spec.out_dtype, spec.precision)
 
 
@@ -146,7 +165,7 @@ def _bwd(spec, residuals, g):
   # da = g . b^T: g in 1 x 128 tiles along N; the weight's 128 x 128 blocks, transposed.
   da = block_product(g, t(b), 1, spec.weight_rows, spec.dtype, spec.a_dtype, spec.precision)
   # db = g^T . a^T: both in 1 x 128 tiles along the tokens (128 x 1 in their own layout).
-  db = block_product(t(g), t(a), 1, 1, spec.dtype, spec.b_dtype, spec.precision)
+  db = block_product(t(g), t(a), 1, 1, spec.dtype, spec.b_dtype, spec.precision, spec.row_axes)
   return da, db
 
 

@@ -84,14 +84,17 @@ def _pad_k(x: jax.Array) -> jax.Array:
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)]) if extra else x
 
 
-def mx_product(a, b, a_dtype, b_dtype, out_dtype) -> jax.Array:
-  """``[B, M, K] x [B, N, K] -> [B, M, N]``: MXFP8 operands, dequantized, summed in fp32."""
+def mx_product(a, b, a_dtype, b_dtype, out_dtype, axes=()) -> jax.Array:
+  """``[B, M, K] x [B, N, K] -> [B, M, N]``: MXFP8 operands, dequantized, summed in fp32.
+
+  ``axes``: ``shard_map`` axes K is split over, in whole blocks: the fp32 sums add over them.
+  """
   a, b = mx_quantize_dequantize(_pad_k(a), a_dtype), mx_quantize_dequantize(_pad_k(b), b_dtype)
   dims = (((2,), (2,)), ((0,), (0,)))
   # bf16 operands with an fp32 result: each product (at most 8 significant bits) is exact in
   # fp32, as in an fp32 matmul of the same values, and the sums are fp32's.
   out = lax.dot_general(a, b, dims, preferred_element_type=F32)
-  return out.astype(out_dtype)
+  return (lax.psum(out, axes) if axes else out).astype(out_dtype)
 
 
 class MxSpec(NamedTuple):
@@ -102,11 +105,18 @@ class MxSpec(NamedTuple):
   out_dtype: np.dtype
   a_dtype: np.dtype
   b_dtype: np.dtype
+  row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def mx_matmul(a, b, spec: MxSpec):
   """The emulated MXFP8 matmul, each product's operands blocked along its own contraction."""
+  if spec.row_axes and a.shape[1] % BLOCK:
+    raise ValueError(
+      f"Mxfp8Scaling on explicit mesh axes {spec.row_axes}: each device's tokens "
+      f"({a.shape[1]}) must be a multiple of {BLOCK}, the weight gradient's blocks along the "
+      "tokens, for the sharded program to quantize as one device does."
+    )
   return mx_product(a, b, spec.fwd_dtype, spec.fwd_dtype, spec.out_dtype)
 
 
@@ -118,7 +128,7 @@ def _bwd(spec, residuals, g):
   a, b = residuals
   t = lambda x: jnp.swapaxes(x, 1, 2)
   da = mx_product(g, t(b), spec.bwd_dtype, spec.fwd_dtype, spec.a_dtype)
-  db = mx_product(t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, spec.b_dtype)
+  db = mx_product(t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, spec.b_dtype, spec.row_axes)
   return da, db
 
 

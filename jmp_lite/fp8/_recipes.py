@@ -254,7 +254,9 @@ class RowwiseScaling(_Stateless):
       call.rhs.dtype,
       jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST,
     )
-    return canonical_dot(call, lambda a, b: rowwise_matmul(a, b, spec))
+    return canonical_dot(
+      call, lambda a, b, axes: rowwise_matmul(a, b, spec._replace(row_axes=axes))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +289,7 @@ class BlockScaling(_Stateless):
     spec = BlockSpec(
       self.dtype, TILE, call.out_dtype, call.lhs.dtype, call.rhs.dtype, jax.lax.Precision.HIGHEST
     )
-    return canonical_dot(call, lambda a, b: block_matmul(a, b, spec))
+    return canonical_dot(call, lambda a, b, axes: block_matmul(a, b, spec._replace(row_axes=axes)))
 
 
 MX_IMPLEMENTATIONS = ("emulated", "scaled_dot_general")
@@ -330,9 +332,9 @@ class Mxfp8Scaling(_Stateless):
   def _product(self, call: DotCall) -> jax.Array:
     """The MXFP8 matmul of a call."""
     if self.implementation == "scaled_dot_general":
-      return canonical_dot(call, lambda a, b: native_matmul(a, b, call.out_dtype))
+      return canonical_dot(call, lambda a, b, axes: native_matmul(a, b, call.out_dtype))
     spec = MxSpec(self.fwd_dtype, self.bwd_dtype, call.out_dtype, call.lhs.dtype, call.rhs.dtype)
-    return canonical_dot(call, lambda a, b: mx_matmul(a, b, spec))
+    return canonical_dot(call, lambda a, b, axes: mx_matmul(a, b, spec._replace(row_axes=axes)))
 
 
 def as_recipe(recipe: Any) -> Any:

@@ -21,7 +21,6 @@ the weight gradient :math:`x^\top g` contracts the batch of tokens (columns of :
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -33,9 +32,10 @@ from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._matmul import power_of_2_above
 from jmp_lite.fp8._quantize import quantize
+from jmp_lite.fp8._sharding import merge_axes, rows_local, split_axes
 
 
-def row_scales(x: jax.Array, dtype: Any) -> jax.Array:
+def row_scales(x: jax.Array, dtype: Any, axes: tuple = ()) -> jax.Array:
   r"""One power-of-two scale per row (all axes but the last) of ``x``, rounded up.
 
   .. math:: s = 2^{\lceil \log_2 (\max|x_{\text{row}}| / \text{fp8\_max}) \rceil}
@@ -46,12 +46,15 @@ def row_scales(x: jax.Array, dtype: Any) -> jax.Array:
   Args:
     x: a floating array; rows are its last axis.
     dtype: the fp8 format.
+    axes: ``shard_map`` axes the rows are split over (their amax is the max over them).
 
   Returns:
     float32 scales of shape ``x.shape[:-1] + (1,)``.
   """
   fp8_max = dtypes.FORMATS[np.dtype(dtype).name].max
   amax = jnp.max(jnp.abs(x.astype(F32)), axis=-1, keepdims=True, initial=0)
+  if axes:
+    amax = lax.pmax(amax, axes)
   usable = jnp.isfinite(amax) & (amax > 0)
   scale = power_of_2_above(jnp.where(usable, amax, fp8_max) / jnp.float32(fp8_max))
   return jnp.where(usable & (scale > 0), scale, 1.0)
@@ -83,15 +86,20 @@ def gemm_dtype(out_dtype: Any) -> np.dtype:
   return out_dtype if out_dtype in _WIDE_RANGE else np.dtype(F32)
 
 
-def _rowwise_product(a, b, a_dtype, b_dtype, out_dtype, precision) -> jax.Array:
-  """``[B, M, K] x [B, N, K] -> [B, M, N]``, each row quantized with its own scale."""
-  s_a, s_b = row_scales(a, a_dtype), row_scales(b, b_dtype)
+def _rowwise_product(a, b, a_dtype, b_dtype, out_dtype, precision, axes=()) -> jax.Array:
+  """``[B, M, K] x [B, N, K] -> [B, M, N]``, each row quantized with its own scale.
+
+  ``axes``: ``shard_map`` axes K is split over; the scales and the fp32 sums reduce over them.
+  """
+  s_a, s_b = row_scales(a, a_dtype, axes), row_scales(b, b_dtype, axes)
   q_a, q_b = quantize(a, s_a, a_dtype), quantize(b, s_b, b_dtype)
   dims = (((2,), (2,)), ((0,), (0,)))
   # A per-row scale is no GEMM epilogue XLA fuses: the GEMM writes its result rounded, and a
-  # second kernel scales it (exact, see gemm_dtype).
-  out = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=gemm_dtype(out_dtype))
-  return (out.astype(F32) * (s_a * jnp.swapaxes(s_b, 1, 2))).astype(out_dtype)
+  # second kernel scales it (exact, see gemm_dtype). Partial sums are added in fp32.
+  gemm = F32 if axes else gemm_dtype(out_dtype)
+  out = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=gemm)
+  out = out.astype(F32) * (s_a * jnp.swapaxes(s_b, 1, 2))
+  return (lax.psum(out, axes) if axes else out).astype(out_dtype)
 
 
 class RowwiseSpec(NamedTuple):
@@ -104,6 +112,7 @@ class RowwiseSpec(NamedTuple):
   a_dtype: np.dtype
   b_dtype: np.dtype
   precision: Any
+  row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -121,13 +130,16 @@ def _bwd(spec, residuals, g):
   t = lambda x: jnp.swapaxes(x, 1, 2)
   # da[B, M, K] = g[B, M, N] . b^T[B, K, N]: rows of g and of b^T, along N.
   da = _rowwise_product(g, t(b), spec.bwd_dtype, spec.fwd_dtype, spec.a_dtype, spec.precision)
+  axes = spec.row_axes  # the tokens this product contracts
   if spec.weight_grad_fp8:  # db[B, N, K] = g^T[B, N, M] . a^T[B, K, M], along M
-    db = _rowwise_product(t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, spec.b_dtype, spec.precision)
+    db = _rowwise_product(
+      t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, spec.b_dtype, spec.precision, axes
+    )
   else:  # in the compute dtype, summed in fp32
     compute = jnp.result_type(g, a)
     dims = (((1,), (1,)), ((0,), (0,)))
     db = lax.dot_general(g.astype(compute), a.astype(compute), dims, preferred_element_type=F32)
-    db = db.astype(spec.b_dtype)
+    db = (lax.psum(db, axes) if axes else db).astype(spec.b_dtype)
   return da, db
 
 
@@ -135,23 +147,23 @@ rowwise_matmul.defvjp(_fwd, _bwd)
 
 
 def canonical_dot(call: Any, matmul: Any) -> jax.Array:
-  """Runs ``matmul([B, M, K], [B, N, K]) -> [B, M, N]`` for any ``dot_general`` call.
+  """Runs ``matmul([B, M, K], [B, N, K], row_axes) -> [B, M, N]`` for any ``dot_general`` call.
 
   Transposes and reshapes both operands to the canonical form (batch, free, contracting
   axes, flattened), and the result back to ``dot_general``'s layout (batch, lhs free, rhs
-  free); JAX differentiates the reshapes.
+  free); JAX differentiates the reshapes. On explicit mesh axes the matmul runs per device on
+  its rows (:func:`~jmp_lite.fp8._sharding.rows_local`), ``row_axes`` naming the mesh axes the
+  rows are split over (``()`` otherwise).
   """
   (lc, rc), (lb, rb) = call.dims
   lhs, rhs = call.lhs, call.rhs
   free = lambda x, c, b: [i for i in range(x.ndim) if i not in c and i not in b]
   lf, rf = free(lhs, lc, lb), free(rhs, rc, rb)
-  size = lambda x, axes: math.prod(x.shape[i] for i in axes)
-  batch = size(lhs, lb)
-  a = lax.transpose(lhs, (*lb, *lf, *lc)).reshape(batch, size(lhs, lf), size(lhs, lc))
-  b = lax.transpose(rhs, (*rb, *rf, *rc)).reshape(batch, size(rhs, rf), size(rhs, rc))
-  out = matmul(a, b)
+  a = merge_axes(lax.transpose(lhs, (*lb, *lf, *lc)), (len(lb), len(lf), len(lc)))
+  b = merge_axes(lax.transpose(rhs, (*rb, *rf, *rc)), (len(rb), len(rf), len(rc)))
+  out = rows_local(matmul, a, b)
   shape = [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lf] + [rhs.shape[i] for i in rf]
-  out = out.reshape(shape)
+  out = split_axes(out, (len(lb), len(lf), len(rf)), shape)
   if call.out_sharding is not None:
     out = jax.sharding.reshard(out, call.out_sharding)
   return out

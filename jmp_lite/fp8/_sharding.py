@@ -7,6 +7,7 @@ The mesh axes an array varies over under ``shard_map`` come from
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -69,3 +70,99 @@ def result_sharding(operand: jax.Array, axes: list[int]) -> Any:
   return jax.sharding.NamedSharding(
     sharding.mesh, jax.sharding.PartitionSpec(*(spec[a] for a in axes))
   )
+
+
+def _spec(x: jax.Array) -> tuple | None:
+  """``x``'s partition spec, one entry per axis, if it is sharded over explicit mesh axes."""
+  sharding = jax.typeof(x).sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty:
+    return None
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  return spec if any(entry is not None for entry in spec) else None
+
+
+def _axes(entry: Any) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def rows_local(matmul: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+  r"""Runs a canonical ``matmul(a, b, row_axes)`` (``[B, M, K] x [B, N, K]``) on explicit axes.
+
+  Outside explicit sharding it is ``matmul(a, b, ())``. When an operand is sharded over
+  explicit mesh axes, the block and row-wise quantizations need whole rows and whole tiles,
+  which JAX's explicit typing refuses to reshape across shards; so the matmul runs under
+  ``shard_map`` with ``a``'s batch and rows (the tokens) sharded as they are, its contraction
+  gathered, and ``b`` (the weight) gathered, as FSDP gathers a weight for its matmul. Each
+  device then computes its rows of the output and of the input gradient as one device would.
+  The weight gradient contracts the tokens, which are sharded over ``row_axes``: the matmul
+  reduces its scales (``pmax``) and its fp32 sums (``psum``) over them.
+
+  Args:
+    matmul: ``matmul(a, b, row_axes) -> [B, M, N]``, differentiable.
+    a: the ``[B, M, K]`` operand.
+    b: the ``[B, N, K]`` operand.
+
+  Returns:
+    The ``[B, M, N]`` product, sharded as ``a``'s batch and rows.
+  """
+  spec_a, spec_b = _spec(a), _spec(b)
+  if spec_a is None and spec_b is None:
+    return matmul(a, b, ())
+  mesh = jax.typeof(a if spec_a is not None else b).sharding.mesh
+  batch, rows = (spec_a or (None, None, None))[:2]
+  spec = jax.sharding.PartitionSpec
+  a_spec, b_spec = spec(batch, rows, None), spec(batch, None, None)
+  a = jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, a_spec))
+  b = jax.sharding.reshard(b, jax.sharding.NamedSharding(mesh, b_spec))
+  row_axes = _axes(rows)
+  local = jax.shard_map(
+    lambda a, b: matmul(a, b, row_axes), mesh=mesh, in_specs=(a_spec, b_spec), out_specs=a_spec
+  )
+  return local(a, b)
+
+
+def _named(x: jax.Array, spec: Any) -> Any:
+  return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def merge_axes(x: jax.Array, groups: tuple[int, ...]) -> jax.Array:
+  """``x`` reshaped so that each output axis merges the next ``groups[i]`` axes of ``x``.
+
+  On explicit mesh axes a merged axis keeps the sharding of its first axis (the others are
+  gathered first), which is the layout of the merged values; elsewhere a plain reshape.
+  """
+  spec = _spec(x)
+  starts = [sum(groups[:i]) for i in range(len(groups))]
+  sizes = [math.prod(x.shape[s : s + n]) for s, n in zip(starts, groups, strict=True)]
+  if spec is None:
+    return x.reshape(sizes)
+  kept = [spec[i] if any(s == i and n for s, n in zip(starts, groups, strict=True)) else None
+          for i in range(x.ndim)]  # fmt: skip
+  if kept != list(spec):
+    x = jax.sharding.reshard(x, _named(x, kept))
+  merged = [spec[s] if n else None for s, n in zip(starts, groups, strict=True)]
+  return lax.reshape(x, sizes, out_sharding=_named(x, merged))
+
+
+def split_axes(x: jax.Array, groups: tuple[int, ...], shape: list[int]) -> jax.Array:
+  """The inverse of :func:`merge_axes`: axis ``i`` of ``x`` split into ``groups[i]`` axes.
+
+  On explicit mesh axes the first of the split axes keeps the sharding when its size divides
+  evenly over it (else the axis is gathered first).
+  """
+  spec = _spec(x)
+  if spec is None:
+    return x.reshape(shape)
+  mesh, kept, out, start = jax.typeof(x).sharding.mesh, list(spec), [], 0
+  for i, n in enumerate(groups):
+    entry = spec[i] if n else None
+    devices = math.prod(mesh.shape[a] for a in _axes(entry))
+    if entry is not None and shape[start] % devices:
+      kept[i] = entry = None
+    out += [entry] + [None] * (n - 1) if n else []
+    start += n
+  if kept != list(spec):
+    x = jax.sharding.reshard(x, _named(x, kept))
+  return lax.reshape(x, shape, out_sharding=_named(x, out))

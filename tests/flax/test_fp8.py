@@ -276,20 +276,58 @@ def test_linen_explicit_dot_general_injection_equals_interception():
   np.testing.assert_array_equal(y, fp8.dot_general(x, p["kernel"], DENSE, state) + p["bias"])
 
 
+POLICY_RECIPES = {
+  "current": fp8.CurrentScaling(),
+  "delayed": fp8.DelayedScaling(),
+  "rowwise": fp8.RowwiseScaling(),
+  "block": fp8.BlockScaling(),
+  "mxfp8": fp8.Mxfp8Scaling(),
+}
+
+
+@pytest.mark.parametrize("name", POLICY_RECIPES)
+def test_linen_and_nnx_run_a_policy_recipe_as_the_recipe_itself(name):
+  """``fp8=<name>`` through linen_fp8 and nnx_fp8: the loss and the gradients of the recipe
+  passed directly, bit for bit (and not the fp32 layer's)."""
+  x = inputs(shape=(8, 64))
+  model = nn.Dense(16)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def linen_step(spec, variables):
+    def loss(params):
+      with flax_fp8.linen_fp8(spec, placement=fp8.ALL_LAYERS):
+        return jnp.sum(model.apply({**variables, "params": params}, x) ** 2)
+
+    return jax.value_and_grad(loss)(variables["params"])
+
+  def nnx_out(spec):
+    layer = nnx.Linear(64, 16, rngs=nnx.Rngs(0))
+    return flax_fp8.nnx_fp8(layer, spec, placement=fp8.ALL_LAYERS)(x)
+
+  recipe, spelled = POLICY_RECIPES[name], f"p=f32,c=f32,o=f32,fp8={name}"
+  variables = materialize(linen_init_shapes(model, x, recipe))  # delayed: a state of scales 1
+  assert variables.keys() == ({"params", "fp8_state"} if name == "delayed" else {"params"})
+  got, want = linen_step(spelled, variables), linen_step(recipe, variables)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  fp32_loss = jnp.sum(model.apply({"params": variables["params"]}, x) ** 2)
+  assert float(got[0]) != float(fp32_loss)
+  np.testing.assert_array_equal(nnx_out(spelled), nnx_out(recipe))
+
+
 def test_linen_fp8_policy_spellings():
   x = inputs()
   off = linen_init_shapes(Layers(), x, "p=f32,c=f32,o=f32,fp8=none")
   assert "fp8_state" not in off
-  policy = fp8.get_fp8_policy("p=f32,c=f32,o=f32,fp8=hybrid", amax_history_length=3)
+  policy = fp8.get_fp8_policy("p=f32,c=f32,o=f32,fp8=delayed", amax_history_length=3)
   on = linen_init_shapes(Layers(), x, policy)
   assert set(on["fp8_state"]) == {"dense", "general", "einsum"}
   history = on["fp8_state"]["dense"][flax_fp8.VARIABLE_NAME].output_grad.amax_history
   assert history.shape == (3,)  # the policy's config made the state
-  # The fp8 compute dtype spelling, which jmp_lite.get_policy parses, works too.
+  # The fp8 compute dtype spelling, which jmp_lite.get_policy parses, is the default recipe,
+  # current scaling, which keeps no state.
   spelled = linen_init_shapes(Layers(), x, "p=f32,c=f8e4m3")
-  assert set(spelled["fp8_state"]) == set(on["fp8_state"])
-  history = spelled["fp8_state"]["einsum"][flax_fp8.VARIABLE_NAME].input.amax_history
-  assert history.shape == (fp8.Fp8Config().amax_history_length,)
+  assert spelled == linen_init_shapes(Layers(), x, fp8.CurrentScaling())
+  assert "fp8_state" not in spelled
   with pytest.raises(TypeError, match="Expected an fp8 recipe"):
     flax_fp8.linen_interceptor(3)
 

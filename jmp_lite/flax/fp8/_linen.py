@@ -279,7 +279,7 @@ def linen_interceptor(
     fp8_spec: an fp8 recipe (default :class:`~jmp_lite.fp8.CurrentScaling`;
       an :class:`~jmp_lite.fp8.Fp8Config` is delayed scaling), an
       :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
-      ``"p=f32,c=bf16,o=f32,fp8=hybrid"``. A policy without fp8 gives an
+      ``"p=f32,c=bf16,o=f32,fp8=current"``. A policy without fp8 gives an
       interceptor that changes nothing.
     placement: which layers run in fp8 (:class:`~jmp_lite.fp8.Fp8Placement`;
       default ``Fp8Placement()``: not the first and last matmul layers, nor
