@@ -1,0 +1,97 @@
+"""Shared values and helpers of the fp8 tests (tests/test_fp8_*.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_lite as jl
+from jmp_lite import fp8
+
+E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+FMT = {d: jl.FORMATS[d.name] for d in (E4M3, E5M2)}
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+def all_values(dtype):
+  """Every finite value of an 8-bit format, as float64."""
+  values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+  return np.unique(values[np.isfinite(values)])
+
+
+def nearest(x, grid):
+  """Index-free round-to-nearest of x onto a sorted grid (ties: either neighbour)."""
+  hi = np.clip(np.searchsorted(grid, x), 1, len(grid) - 1)
+  lo = hi - 1
+  return np.where(np.abs(x - grid[lo]) <= np.abs(grid[hi] - x), grid[lo], grid[hi])
+
+
+def unit_state(config=None):
+  """A delayed-scaling state with every scale set to 1 (exact on small integers)."""
+  state = fp8.init_dot_state(config or fp8.Fp8Config(amax_history_length=2))
+  return fp8.Fp8DotState(*(t._replace(scale=jnp.ones((), jnp.float32)) for t in state))
+
+
+def value_and_vjp(f, x, k, g):
+  """f(x, k) and its VJP applied to g, in one compiled program (fast on CPU)."""
+
+  @jax.jit
+  def run(x, k, g):
+    y, vjp = jax.vjp(f, x, k)
+    return y, vjp(g)
+
+  return run(x, k, g)
+
+
+def small_integers(shape, seed, high):
+  """Values that both fp8 formats hold exactly, so fp8 matmuls are exact."""
+  return jnp.asarray(np.random.default_rng(seed).integers(-high, high + 1, shape), jnp.float32)
+
+
+def quantization_error(v, scale, dtype):
+  """Per-element bound on |dequantize(quantize(v)) - v| (no saturation)."""
+  fmt = jl.FORMATS[np.dtype(dtype).name]
+  return fmt.epsilon / 2 * np.abs(v) + fmt.min_subnormal / 2 * scale
+
+
+CONFIG = fp8.Fp8Config(amax_history_length=8)
+
+
+def normal(rng, shape, scale=1.0):
+  # NumPy, not jax.random: eager jax.random compiles op by op, seconds on a busy CPU.
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+
+def mlp_init(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w1": normal(rng, (8, 32), 8**-0.5), "w2": normal(rng, (32, 4), 32**-0.5)}
+
+
+def mlp_data(n=64, seed=1):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((n, 8))
+  y = np.sin(x @ rng.standard_normal((8, 4)))
+  return jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+
+
+def mlp_loss(params, fp8_state, amax, x, y, loss_scale=None, reduce=jnp.mean):
+  """A 2-layer MLP with both matmuls in fp8 (fp8_state None: float32/bfloat16 reference)."""
+  if fp8_state is None:
+    h = jnp.tanh(x @ params["w1"])
+    out = h @ params["w2"]
+  else:
+    amax = amax or {"l1": None, "l2": None}
+    kw = {"config": CONFIG, "loss_scale": loss_scale}
+    h = jnp.tanh(fp8.dot_general(x, params["w1"], MATMUL, fp8_state["l1"], amax["l1"], **kw))
+    out = fp8.dot_general(h, params["w2"], MATMUL, fp8_state["l2"], amax["l2"], **kw)
+  return reduce((out.astype(jnp.float32) - y) ** 2)
+
+
+def init_mlp_state(set_scales=False):
+  """Fresh states (no scales yet), or with set_scales every scale 1."""
+  init = (lambda: unit_state(CONFIG)) if set_scales else (lambda: fp8.init_dot_state(CONFIG))
+  return {"l1": init(), "l2": init()}
+
+
+def assert_close(a, b, rtol):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol), a, b)
