@@ -10,7 +10,7 @@ operands, accumulates in fp32 and rounds once into a 16-bit result,
   y = \mathrm{round}_{16}\Big(\sum_k x_{ik} w_{kj}\Big)_{\text{fp32}}.
 
 What each backend does with a ``dot_general`` of two 16-bit operands and a
-16-bit result (measured: ``tests/flax/test_flax_accumulate.py`` on XLA:CPU,
+16-bit result (measured: ``tests/flax/test_accumulate.py`` on XLA:CPU,
 ``benchmarks/gpu.py``'s probe on an H200; docs/benchmarks.md):
 
 * **XLA:GPU** accumulates in fp32 (cuBLASLt and Triton gemms, long
