@@ -319,6 +319,11 @@ class TrainConfig:
   fp8_history: int = 16
   # An explicit jmp_lite.fp8 recipe for the fp8 recipe (wins over fp8_scaling).
   fp8_recipe: Any = None
+  # Which Dense layers run in fp8 (a jmp_lite.fp8.Fp8Placement); None: every one, the head
+  # included. The library's default placement keeps the first and last layers in bf16 and
+  # skips matmuls too small to pay, which at these CPU sizes is all of them, so the fp8
+  # recipe would train as bf16 and measure nothing.
+  fp8_placement: Any = None
   progress: bool = True
   # XLA's backend optimizations off: compiles ~2x faster, runs ~3x slower. Only for the
   # quick preset, whose tiny steps cost less than their compilation on 2 cores.
@@ -722,16 +727,16 @@ class Setup:
   state: tuple[Any, Any, Any, Any]
 
   def fp8_scope(self, loss_scale: Any = None) -> Any:
-    """The context the model runs in: every Dense in fp8 for the fp8 recipe, else nothing.
+    """The context the model runs in: ``config.fp8_placement``'s Dense layers in fp8 for the
+    fp8 recipe (every one by default), else nothing.
 
     linen_fp8 goes outside the policy's interceptor (installed inside apply_fn), as
-    docs/fp8.md asks. Every Dense is in fp8, the head included: the default placement keeps
-    the first and last layers in bf16 and skips matmuls too small to pay, which at these CPU
-    sizes is all of them, so the fp8 recipe would train as bf16 and measure nothing.
+    docs/fp8.md asks.
     """
     if self.fp8_config is None:
       return contextlib.nullcontext()
-    return flax_fp8.linen_fp8(self.fp8_config, loss_scale=loss_scale, placement=fp8.ALL_LAYERS)
+    placement = fp8_placement(self.config)
+    return flax_fp8.linen_fp8(self.fp8_config, loss_scale=loss_scale, placement=placement)
 
   def variables(self, params: Any, model_state: Any, fp8_state: Any, amax: Any = None) -> dict:
     """The linen variables of one forward pass (the split's view of the parameters)."""
@@ -745,13 +750,13 @@ class Setup:
     return variables
 
 
-def init_variables(task: Task, fp8_config: Any, seed: int) -> dict[str, Any]:
-  """The model's initial variables (fp32), computed once per task, fp8 recipe and seed; a
-  fresh copy each call, since the training step donates (consumes) them."""
+def init_variables(task: Task, fp8_config: Any, config: TrainConfig) -> dict[str, Any]:
+  """The model's initial variables (fp32), computed once per task, fp8 recipe, placement and
+  seed; a fresh copy each call, since the training step donates (consumes) them."""
   cache = task.__dict__.setdefault("_initial_variables", {})
-  key = (seed, repr(fp8_config))
+  key = (config.seed, repr(fp8_config), repr(fp8_placement(config)))
   if key not in cache:
-    scope = setup_scope(fp8_config)
+    scope = setup_scope(fp8_config, config)
 
     def init(rng):
       with scope:
@@ -759,7 +764,7 @@ def init_variables(task: Task, fp8_config: Any, seed: int) -> dict[str, Any]:
 
     # Under one jit: run eagerly, every initializer would be compiled on its own (seconds);
     # it runs once, so XLA's optimizations are not worth their compile time either.
-    cache[key] = jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(seed))
+    cache[key] = jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(config.seed))
   return dict(_copy(cache[key]))
 
 
@@ -767,18 +772,23 @@ def init_variables(task: Task, fp8_config: Any, seed: int) -> dict[str, Any]:
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), compiler_options=FAST_COMPILE)
 
 
-def setup_scope(fp8_config: Any) -> Any:
+def fp8_placement(config: TrainConfig) -> Any:
+  """``config.fp8_placement``, or every Dense layer (:data:`jmp_lite.fp8.ALL_LAYERS`)."""
+  return fp8.ALL_LAYERS if config.fp8_placement is None else config.fp8_placement
+
+
+def setup_scope(fp8_config: Any, config: TrainConfig) -> Any:
   """The fp8 context of initialization (a fresh one: a context manager is used once)."""
   if fp8_config is None:
     return contextlib.nullcontext()
-  return flax_fp8.linen_fp8(fp8_config, placement=fp8.ALL_LAYERS)
+  return flax_fp8.linen_fp8(fp8_config, placement=fp8_placement(config))
 
 
 def make_setup(task: Task, recipe: Recipe, config: TrainConfig) -> Setup:
   """The recipe's policy, optimizer and initial state for ``task``."""
   policy = jl.get_policy(recipe.policy)
   fp8_config = fp8_recipe(config) if recipe.fp8 else None
-  variables = init_variables(task, fp8_config, config.seed)
+  variables = init_variables(task, fp8_config, config)
   params = variables.pop("params")
   fp8_state = variables.pop(flax_fp8.STATE_COLLECTION, None)
   if recipe.params_method is not None:

@@ -8,12 +8,15 @@ against one promoted to fp32 every 128 elements; its accumulator model with fp32
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import fp8_recipe_errors, fp8_training
+from examples import charlm, common
 from jmp_lite import fp8
+from jmp_lite.flax import fp8 as flax_fp8
 
 
 def test_row_scales_beat_a_per_tensor_e5m2_gradient_and_nothing_flushes():
@@ -91,3 +94,22 @@ def test_training_smoke_reports_each_run_against_bf16(tmp_path):
   assert "| fp8_current |" in (tmp_path / "fp8_training.md").read_text()
   with pytest.raises(SystemExit, match="Unknown runs"):
     fp8_training.main(["--smoke", "--runs", "fp9", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("keep_first_last", [False, True])
+def test_training_runs_every_dense_in_fp8_or_all_but_the_first_and_last(keep_first_last):
+  plan, model = fp8_training.runs(2, smoke=True, keep_first_last=keep_first_last)
+  recipe, config = plan["fp8_current"]
+  task = charlm.CharLMTask(model, seed=0)
+  setup = common.make_setup(task, recipe, config)
+  params, model_state, fp8_state, _ = setup.state
+  loss_fn = common.make_loss_fn(setup)
+  with flax_fp8.placement_report() as report:
+    jax.eval_shape(loss_fn, params, None, model_state, fp8_state, task.train_batch(0), None)
+  kept = report.kept
+  if not keep_first_last:
+    assert kept == {} and len(report.fp8) == len(report.layers) > 2
+  else:
+    # The first block's q/k/v (one input, counted together) and the head.
+    assert sorted(p.rsplit("/", 1)[-1] for p in kept) == ["head", "key", "query", "value"]
+    assert len(report.fp8) == len(report.layers) - 4
