@@ -114,7 +114,9 @@ class LossScale(Protocol):
   :class:`DynamicLossScale`); :class:`jmp_lite.LayerwiseLossScale`, whose
   stages each carry their own scale, fills ``ScaledGrads.stats``. Every kind
   also takes a bare tree to be the gradients of ``scale(loss)``, every leaf at
-  ``loss_scale`` (``jax.grad`` of a scaled loss). A caller that needs the one
+  ``loss_scale`` (``jax.grad`` of a scaled loss), except in a layer-wise scale's
+  ``unscale_and_adjust`` with several stages, which refuses it (a ``TypeError``):
+  updating each stage's scale needs the boundary statistics. A caller that needs the one
   scale of every gradient (fp8's matmuls, gradient statistics) reads
   ``gradient_scale``, which is None when there is no such value.
 

@@ -8,7 +8,6 @@ The rule itself (the next scales from the gradients' maxima) is in
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,6 @@ from jmp_lite._loss_scale import (
   ScaledGrads,
   UserCall,
   ValueAndGradTransform,
-  all_finite,
   checked_field,
   grad_of_scaled_loss,
 )
@@ -218,14 +216,17 @@ class LayerwiseLossScale:
 
     Args:
       scaled_grads: what :meth:`value_and_grad` returned. A bare tree (the
-        gradients of :meth:`scale`'s loss) is unscaled by ``loss_scale``; with
-        several stages the scales then only back off on overflow (a warning).
+        gradients of :meth:`scale`'s loss) is taken only with one stage.
       params: the true gradients are cast to at least their dtypes and fp32.
       axis_name: the axis whose devices agree (maxima are taken over it).
 
     Returns:
       ``(grads, finite, next_loss_scale)``, as in
       :meth:`jmp_lite.LossScale.unscale_and_adjust`.
+
+    Raises:
+      TypeError: for a bare tree with several stages: it has no boundary
+        statistics (take the gradients with :meth:`value_and_grad`).
     """
     return _unscale_and_adjust(self, ScaledGrads.of(scaled_grads), params, axis_name)
 
@@ -236,12 +237,12 @@ class LayerwiseLossScale:
 
 
 _ONE_SCALE_GRADS = (
-  "LayerwiseLossScale.unscale_and_adjust got bare gradients (the gradients of "
-  "loss_scale.scale(loss), taken without the stage boundaries): every gradient carries the "
-  "last stage's scale, so they are unscaled by it and the stages' scales only back off on "
-  "overflow. For a scale per stage take the gradients with jl.scaled_value_and_grad(loss_fn, "
-  "opt_state) (or loss_scale.value_and_grad(loss_fn)), or with jl.flax.TrainState."
-  "value_and_grad / jl.flax.Optimizer.value_and_grad."
+  "LayerwiseLossScale.unscale_and_adjust with {n} stages got bare gradients (e.g. jax.grad of "
+  "loss_scale.scale(loss)), taken without the stage boundaries: they carry no boundary "
+  "statistics, so no stage's scale could be updated. Take them with "
+  "jl.scaled_value_and_grad(loss_fn, opt_state) (or loss_scale.value_and_grad(loss_fn)), or "
+  "with jl.flax.TrainState.value_and_grad / jl.flax.Optimizer.value_and_grad: a "
+  "jl.ScaledGrads with each stage at its own scale."
 )
 
 
@@ -301,15 +302,13 @@ def _unscale_and_adjust(
   scale: LayerwiseLossScale, scaled: ScaledGrads, params: Any, axis_name: Any
 ) -> tuple[Any, jax.Array, LayerwiseLossScale]:
   """:meth:`LayerwiseLossScale.unscale_and_adjust` of ``scaled``."""
+  if scaled.stats is None and scale.num_stages > 1:  # no stage's own scale was observed
+    raise TypeError(_ONE_SCALE_GRADS.format(n=scale.num_stages))
   grads, leaves = _unscaled(scale, scaled)
   grads = _tree_util.cast_like_params(grads, params)
-  if scaled.stats is not None or scale.num_stages == 1:  # each stage at its own scale
-    specs = leaf_specs(scale.param_stages, scaled.grads)
-    finite, state = _rule.step(scale, leaves, specs, scaled.stats, axis_name)
-    return grads, finite, dataclasses.replace(scale, **state)
-  warnings.warn(_ONE_SCALE_GRADS, UserWarning, stacklevel=3)
-  finite = all_finite(grads, axis_name)
-  return grads, finite, scale.adjust(finite)
+  specs = leaf_specs(scale.param_stages, scaled.grads)
+  finite, state = _rule.step(scale, leaves, specs, scaled.stats, axis_name)
+  return grads, finite, dataclasses.replace(scale, **state)
 
 
 def _unscaled(scale: LayerwiseLossScale, scaled: ScaledGrads) -> tuple[Any, list[jax.Array]]:
