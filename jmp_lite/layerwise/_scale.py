@@ -216,17 +216,14 @@ class LayerwiseLossScale:
 
     Args:
       scaled_grads: what :meth:`value_and_grad` returned. A bare tree (the
-        gradients of :meth:`scale`'s loss) is taken only with one stage.
+        gradients of :meth:`scale`'s loss) is taken with one stage only; with
+        several it is a TypeError (no boundary statistics to update them).
       params: the true gradients are cast to at least their dtypes and fp32.
       axis_name: the axis whose devices agree (maxima are taken over it).
 
     Returns:
       ``(grads, finite, next_loss_scale)``, as in
       :meth:`jmp_lite.LossScale.unscale_and_adjust`.
-
-    Raises:
-      TypeError: for a bare tree with several stages: it has no boundary
-        statistics (take the gradients with :meth:`value_and_grad`).
     """
     return _unscale_and_adjust(self, ScaledGrads.of(scaled_grads), params, axis_name)
 
@@ -302,7 +299,7 @@ def _unscale_and_adjust(
   scale: LayerwiseLossScale, scaled: ScaledGrads, params: Any, axis_name: Any
 ) -> tuple[Any, jax.Array, LayerwiseLossScale]:
   """:meth:`LayerwiseLossScale.unscale_and_adjust` of ``scaled``."""
-  if scaled.stats is None and scale.num_stages > 1:  # no stage's own scale was observed
+  if scaled.stats is None and scale.num_stages != 1:  # no stage's own scale was observed
     raise TypeError(_ONE_SCALE_GRADS.format(n=scale.num_stages))
   grads, leaves = _unscaled(scale, scaled)
   grads = _tree_util.cast_like_params(grads, params)
