@@ -22,9 +22,8 @@ here measures time.
 The recipes are built as ``benchmarks/gpu.py`` builds them, with every state abstract
 (``jax.eval_shape``: nothing is computed, fp8 calibration included) and the step compiled with
 its state donated. The program is traced with JAX's default backend (the CPU): jmp_lite picks
-its platform-specific branches when the program is lowered, and the one trace-time choice, the
-``BF16_BF16_F32`` preset that ``jmp_lite.flax`` declares on TPU, compiles to the same TPU program
-as no preset (``tests/test_deviceless_benchmark.py`` checks that).
+its platform-specific branches when the program is lowered and reads no platform while it
+traces, so this is the program a GPU or TPU host compiles.
 
 Run from the repository root, with the ``aot`` extra installed (docs/benchmarks.md, "Deviceless
 GPU and TPU cost")::

@@ -1,7 +1,11 @@
-"""How a 16-bit matmul states fp32 accumulation, per platform (see ``jmp_lite.flax.dot_general``).
+"""16-bit products with a wide result, in a form every backend runs.
 
 Shared by the 16-bit kernels of :mod:`jmp_lite.flax` and :func:`jmp_lite.autocast`, which
-rewrites a program's matmuls to 16-bit operands the same way.
+rewrites a program's matmuls to 16-bit operands the same way. Nothing here declares an
+algorithm preset: every backend measured accumulates 16-bit products in fp32 without one
+(XLA:TPU compiles ``BF16_BF16_F32`` to the program it compiles without it;
+``tests/test_deviceless_benchmark.py``), and XLA:GPU, which honours a preset, then emits every
+declared dot as a Triton gemm and never cuBLAS.
 """
 
 from __future__ import annotations
@@ -15,49 +19,11 @@ from jax import lax
 
 from jmp_lite import _compat
 
-# The presets declared, by platform: none on XLA:GPU, which honours them but then emits every
-# declared dot as a Triton gemm, never cuBLAS; none on XLA:CPU, which rejects them for fp16 and
-# for single-element dots (and accumulates in fp32 anyway).
-DECLARED = {"tpu": {np.dtype(jnp.bfloat16): lax.DotAlgorithmPreset.BF16_BF16_F32}}
-
 
 def is_16bit_float(dtype: Any) -> bool:
   """Whether ``dtype`` is float16 or bfloat16."""
   dtype = np.dtype(dtype)
   return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize == 2
-
-
-def declared_precision(
-  dtype: Any, lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any, platform: str
-) -> lax.DotAlgorithmPreset | None:
-  """The algorithm preset stating fp32 accumulation of a 16-bit matmul, if declared.
-
-  Args:
-    dtype: the operands' dtype.
-    lhs_shape: the left operand's shape.
-    rhs_shape: the right operand's shape.
-    dimension_numbers: the ``dot_general`` dimension numbers.
-    platform: the platform the program is traced for (``"cpu"``, ``"gpu"``, ``"tpu"``).
-
-  Returns:
-    The preset, or ``None`` where nothing is declared (XLA:CPU, XLA:GPU; fp16 on
-    TPU) or for a product that is not a matrix product (an operand without a
-    free dimension, or a single output element: compilers lower those as
-    reductions).
-  """
-  preset = DECLARED.get(platform, {}).get(np.dtype(dtype))
-  if preset is None:
-    return None
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-
-  def free(shape, contract, batch):
-    return [n for d, n in enumerate(shape) if d not in (*contract, *batch)]
-
-  lhs_free = free(lhs_shape, lhs_contract, lhs_batch)
-  rhs_free = free(rhs_shape, rhs_contract, rhs_batch)
-  if not lhs_free or not rhs_free or int(np.prod(lhs_free + rhs_free)) < 2:
-    return None
-  return preset
 
 
 def bind_wide(primitive: Any, params: dict, wide: np.dtype, lhs: Any, rhs: Any) -> jax.Array:
@@ -87,7 +53,7 @@ def bind_wide(primitive: Any, params: dict, wide: np.dtype, lhs: Any, rhs: Any) 
   """
   params = dict(params, preferred_element_type=wide)
   narrow = lambda a, b: _compat.bind(primitive, params, a, b)[0]
-  # precision=None: an fp32 CPU product has nothing to declare (a TPU preset names 16-bit operands).
+  # precision=None: a preset the caller passed names 16-bit operands, and these are fp32.
   widened = lambda a, b: _compat.bind(
     primitive, dict(params, precision=None), a.astype(wide), b.astype(wide)
   )[0]

@@ -140,8 +140,8 @@ def test_smoke_compiles_for_tpu_v5e(tmp_path):
 
 @needs_tpu
 def test_tpu_preset_compiles_to_the_program_without_it():
-  # jmp_lite.flax declares BF16_BF16_F32 on TPU when traced for a TPU; traced on the CPU, as the
-  # deviceless benchmark is, it declares nothing. Both give the same TPU program.
+  # Why jmp_lite.flax and autocast declare no fp32-accumulation preset: on TPU the preset
+  # compiles to the program without it.
   device = deviceless.target_device("v5e")
   sharding = jax.sharding.SingleDeviceSharding(device)
   x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=sharding)

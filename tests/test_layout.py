@@ -320,6 +320,27 @@ def test_only_the_compat_modules_use_unstable_apis(path):
   assert found == [], f"{path.name}: go through jmp_lite._compat (or jmp_lite.flax._compat)"
 
 
+# The one trace-time platform read: Mxfp8Scaling(implementation="scaled_dot_general") refuses
+# loudly where the backend does not compile it; a choice made at lowering could only fall back.
+TRACE_TIME_PLATFORM = (PACKAGE / "fp8" / "_mx.py",)
+
+
+@pytest.mark.parametrize(
+  "path",
+  [p for p in SOURCES if p not in TRACE_TIME_PLATFORM],
+  ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_the_platform_is_chosen_at_lowering(path):
+  # jax.default_backend() at trace time names the host's platform, not the one the program is
+  # lowered for (a deviceless compile, jit(...).lower(lowering_platforms=...)); platform choices
+  # go through lax.platform_dependent.
+  tree = ast.parse(path.read_text())
+  reads = [
+    n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "default_backend"
+  ]
+  assert reads == [], f"{path.name}:{reads} reads the platform while tracing"
+
+
 TEST_AND_BENCHMARK_FILES = sorted(
   path
   for folder in ("tests", "benchmarks")

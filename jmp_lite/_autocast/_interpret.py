@@ -33,7 +33,7 @@ from jmp_lite._autocast._broadcast import (
 from jmp_lite._autocast._from_output import DERIVATIVES, wide_and_narrow
 from jmp_lite._autocast._modules import module_dtype, strip_module_scopes
 from jmp_lite._autocast._table import LINEAR
-from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
+from jmp_lite._matmul_precision import bind_wide, is_16bit_float
 
 _F32 = np.dtype(np.float32)
 FULL_PRECISION_SCOPE = "jmp_lite_full_precision"
@@ -196,11 +196,6 @@ class _Rules:
     if not (_is_float(out_dtype) and all(_is_float(_dtype(a)) for a in args)):
       return self._bind(eqn, args, params)
     params["preferred_element_type"] = out_dtype
-    if eqn.primitive.name == "dot_general" and params.get("precision") is None:
-      params["precision"] = declared_precision(
-        compute, np.shape(args[0]), np.shape(args[1]), params["dimension_numbers"],
-        jax.default_backend(),
-      )  # fmt: skip
     if is_16bit_float(compute) and out_dtype.itemsize > compute.itemsize:
       # A wide result of 16-bit operands: bound in a form every backend runs.
       return [Value(bind_wide(eqn.primitive, params, out_dtype, *args))]

@@ -16,23 +16,25 @@ What each backend does with a ``dot_general`` of two 16-bit operands and a
 * **XLA:GPU** accumulates in fp32 (cuBLASLt and Triton gemms, long
   contractions included) and rounds once. It honours the algorithm preset
   ``BF16_BF16_F32`` (``F16_F16_F32``), but then emits every declared dot as a
-  Triton gemm fusion, taking cuBLAS out of its autotuner's choices. The
-  declaration buys nothing there, so none is made.
-* **XLA:TPU**: the matrix unit accumulates bf16 products in fp32;
-  ``BF16_BF16_F32`` states it (TPUs have no fp16 matrix unit, so fp16 dots
-  carry no preset). Not measured here.
+  Triton gemm fusion, taking cuBLAS out of its autotuner's choices.
+* **XLA:TPU**: the matrix unit accumulates bf16 products in fp32. Declaring
+  ``BF16_BF16_F32`` compiles to the same program as declaring nothing
+  (``tests/test_deviceless_benchmark.py``; the whole LM step of
+  ``benchmarks/deviceless.py`` on a v5e too).
 * **XLA:CPU** accumulates 16-bit dots in fp32 whatever the program says (it
-  computes them in fp32), but rejects the presets for fp16 and for dots with a
-  single output element, so nothing is declared there. It cannot run every
+  computes them in fp32), and rejects the presets for fp16 and for dots with a
+  single output element. It cannot run every
   16-bit x 16-bit -> fp32 matmul, so the wide gradients below take fp32
   operands there (``jmp_lite._matmul_precision.bind_wide`` says why).
 * Convolutions: cuDNN, the TPU and XLA:CPU accumulate 16-bit convolutions in
   fp32 (fp16 on cuDNN: fp32 partial sums rounded more than once); JAX drops an
   algorithm preset on ``conv_general_dilated``, so none is declared.
 
-So the kernels here emit exactly the 16-bit matmuls of a Flax layer built with
-``dtype=jnp.bfloat16`` (16-bit operands, residuals and results, forward and
-backward, so the fast gemm paths and half the bytes), plus the preset on TPU.
+So no preset buys anything anywhere, none is declared, and the program needs
+no platform when it is traced. The kernels here emit exactly the 16-bit
+matmuls of a Flax layer built with ``dtype=jnp.bfloat16`` (16-bit operands,
+residuals and results, forward and backward, so the fast gemm paths and half
+the bytes).
 A wider result buys no accuracy there (the accumulator is fp32 already) and
 costs bandwidth and memory. Two options keep fp32 where it is consumed in fp32:
 
@@ -67,14 +69,9 @@ import numpy as np
 from jax import lax
 
 from jmp_lite import _compat, _jaxpr, _validation
-from jmp_lite._matmul_precision import bind_wide, declared_precision, is_16bit_float
+from jmp_lite._matmul_precision import bind_wide, is_16bit_float
 
 _F32 = np.dtype(np.float32)
-
-
-def _platform() -> str:
-  """The platform the program is traced for (JAX's default backend)."""
-  return jax.default_backend()
 
 
 def _narrow(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype | None:
@@ -85,14 +82,6 @@ def _narrow(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype | None:
   if preferred_element_type is not None and np.dtype(preferred_element_type) != lhs_dtype:
     return None
   return np.dtype(lhs_dtype)
-
-
-def _declared_precision(
-  dtype: Any, lhs_shape: tuple, rhs_shape: tuple, dimension_numbers: Any
-) -> lax.DotAlgorithmPreset | None:
-  """The preset stating fp32 accumulation (:func:`jmp_lite._matmul_precision.declared_precision`)
-  for JAX's default backend, when the product is traced."""
-  return declared_precision(dtype, lhs_shape, rhs_shape, dimension_numbers, _platform())
 
 
 class _Options(NamedTuple):
@@ -193,12 +182,9 @@ _product.defvjp(_product_fwd, _product_bwd)
 
 
 def _dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, options, **kwargs):
-  dtype = _narrow(lhs, rhs, preferred_element_type)
-  if dtype is None:
+  if _narrow(lhs, rhs, preferred_element_type) is None:
     return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  if precision is None:
-    precision = _declared_precision(dtype, lhs.shape, rhs.shape, dimension_numbers)
   op = lambda a, b, result_dtype: lax.dot_general(
     a, b, dimension_numbers, precision, result_dtype, **kwargs
   )
@@ -216,20 +202,19 @@ def dot_general(
   rhs_grad_dtype: Any = None,
   **kwargs: Any,
 ) -> jax.Array:
-  """:func:`jax.lax.dot_general` for 16-bit operands, stating fp32 accumulation.
+  """:func:`jax.lax.dot_general` for 16-bit operands, with fp32 results and gradients on request.
 
   For two float16 (or two bfloat16) operands and no wider
-  ``preferred_element_type``, the product is JAX's 16-bit ``dot_general``
-  with ``precision`` stating fp32 accumulation where that is declared (TPU; a
-  ``precision`` you pass is kept). Anything else is passed to
-  :func:`jax.lax.dot_general` unchanged.
+  ``preferred_element_type``, the product is JAX's 16-bit ``dot_general``,
+  which every backend accumulates in fp32 (see the module docstring), with the
+  options below. Anything else is passed to :func:`jax.lax.dot_general`
+  unchanged.
 
   Args:
     lhs: the left operand, as for :func:`jax.lax.dot_general`.
     rhs: the right operand (a Flax layer's kernel).
     dimension_numbers: as for :func:`jax.lax.dot_general`.
-    precision: as for :func:`jax.lax.dot_general`; ``None`` states fp32
-      accumulation where that is declared.
+    precision: as for :func:`jax.lax.dot_general`.
     preferred_element_type: as for :func:`jax.lax.dot_general`.
     output_dtype: ``None`` (a 16-bit result) or ``float32``: the result leaves
       the matmul in fp32, unrounded.

@@ -203,25 +203,15 @@ def products(jaxpr) -> list:
   return [e for e in eqns(jaxpr) if e.primitive.name in ("dot_general", "conv_general_dilated")]
 
 
-def _is_matrix_product(eqn) -> bool:
-  """Whether both operands of a dot_general have a free dimension (and the result >1 element)."""
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  lhs, rhs = (v.aval.shape for v in eqn.invars)
-  lhs_free = [n for d, n in enumerate(lhs) if d not in (*lc, *lb)]
-  rhs_free = [n for d, n in enumerate(rhs) if d not in (*rc, *rb)]
-  return bool(lhs_free and rhs_free) and int(np.prod(lhs_free + rhs_free)) > 1
-
-
-def check_lean_products(jaxpr, narrow: np.dtype = BF16, *, wide: int = 0, declared=None) -> int:
+def check_lean_products(jaxpr, narrow: np.dtype = BF16, *, wide: int = 0) -> int:
   """Asserts every matmul/conv on ``narrow`` operands is a 16-bit product.
 
   Both operands are ``narrow`` and so is the result, as in a Flax layer built
   with ``dtype=narrow`` (the backends accumulate such products in fp32; see
   :func:`jmp_lite.flax.dot_general`), except exactly ``wide`` fp32 results (the
-  layer computing a model's fp32 output). Dots state ``declared`` as their
-  precision (the fp32-accumulation preset where the platform takes it; None
-  on CPU) unless they are not matrix products. Returns how many products there
-  are, so that callers can check the test is not vacuous.
+  layer computing a model's fp32 output). No dot declares a precision (every
+  backend accumulates them in fp32 undeclared). Returns how many products
+  there are, so that callers can check the test is not vacuous.
   """
   count = found_wide = 0
   for eqn in products(jaxpr):
@@ -234,8 +224,8 @@ def check_lean_products(jaxpr, narrow: np.dtype = BF16, *, wide: int = 0, declar
     else:
       assert out_dtype(eqn) == narrow, f"a {out_dtype(eqn)} result: {eqn}"
       assert eqn.params["preferred_element_type"] in (None, narrow), eqn
-    if eqn.primitive.name == "dot_general" and _is_matrix_product(eqn):
-      assert eqn.params["precision"] == declared, f"precision {eqn.params['precision']}: {eqn}"
+    if eqn.primitive.name == "dot_general":
+      assert eqn.params["precision"] is None, f"precision {eqn.params['precision']}: {eqn}"
     count += 1
   assert found_wide == wide, f"{found_wide} fp32 results, expected {wide}"
   return count
@@ -252,13 +242,10 @@ def hlo_products(text: str) -> list[tuple[str, str, str, str, str]]:
   return [m.groups() for m in _HLO_OP.finditer(text)]
 
 
-def check_hlo_products(
-  text: str, narrow: str = "bf16", *, wide: int = 0, declared: bool = False
-) -> int:
+def check_hlo_products(text: str, narrow: str = "bf16", *, wide: int = 0) -> int:
   """Asserts every dot/conv with ``narrow`` operands in lowered HLO is a 16-bit product.
 
-  Exactly ``wide`` of them return f32; with ``declared``, every such dot
-  states fp32 accumulation in its algorithm.
+  Exactly ``wide`` of them return f32, and none declares an algorithm.
   """
   count = found_wide = 0
   ops = hlo_products(text)
@@ -270,8 +257,7 @@ def check_hlo_products(
         found_wide += 1
       else:
         assert result.endswith(narrow), f"{op} ({lhs}, {rhs}) -> {result}"
-      stated = "accumulation_type = f32" in attributes
-      assert stated == (declared and op == "dot_general"), (op, attributes)
+      assert "algorithm" not in attributes, (op, attributes)
       count += 1
   assert found_wide == wide, f"{found_wide} f32 results, expected {wide}"
   return count

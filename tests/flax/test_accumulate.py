@@ -7,7 +7,6 @@ import pytest
 from jax import lax
 
 import jmp_lite.flax as jlf
-from jmp_lite.flax import _accumulate as accumulate
 
 from .flax_testing import (
   BF16,
@@ -124,33 +123,21 @@ def test_cpu_accumulates_16bit_products_in_fp32(dtype):
   assert f32(out)[0, 0] == rounded(512.0 + 1023)  # a 16-bit accumulator stalls at 512 + 512 * eps
 
 
-@pytest.mark.parametrize(
-  "platform, dtype, declared",
-  [
-    # XLA:GPU honours the preset but emits every declared dot as a Triton gemm, never cuBLAS.
-    ("gpu", BF16, None),
-    ("gpu", F16, None),
-    ("tpu", BF16, lax.DotAlgorithmPreset.BF16_BF16_F32),
-    ("tpu", F16, None),  # no fp16 matrix unit
-    ("cpu", BF16, None),  # the preset fails for fp16 and single-element dots there
-  ],
-)
-def test_accumulation_is_declared_where_it_costs_nothing(monkeypatch, platform, dtype, declared):
-  monkeypatch.setattr(accumulate, "_platform", lambda: platform)
+@pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_no_precision_is_declared_for_any_platform(platform, dtype):
+  # Every backend accumulates 16-bit products in fp32 undeclared, and XLA:TPU compiles the
+  # BF16_BF16_F32 preset to the program it compiles without one
+  # (tests/test_deviceless_benchmark.py): the trace names no platform, so one trace lowers the
+  # same products for each.
   x, y = _random((4, 8), 0, dtype), _random((8, 3), 1, dtype)
   dims = (((1,), (0,)), ((), ()))
   loss = lambda a, b: jnp.sum(jlf.dot_general(a, b, dims).astype(F32) ** 2)
   jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, y)
-  assert check_lean_products(jaxpr, dtype, declared=declared) == 3
-  lowering = {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}[platform]
-  hlo = jax.jit(jax.grad(loss, (0, 1))).trace(x, y).lower(lowering_platforms=(lowering,)).as_text()
+  assert check_lean_products(jaxpr, dtype) == 3
+  hlo = jax.jit(jax.grad(loss, (0, 1))).trace(x, y).lower(lowering_platforms=(platform,)).as_text()
   narrow = "bf16" if dtype == BF16 else "f16"
-  assert check_hlo_products(hlo, narrow, declared=declared is not None) == 3
-  # Not matrix products (an operand without a free dimension): nothing declared.
-  v = _random((8,), 2, dtype)
-  for lhs, rhs, d in ((v, v, (((0,), (0,)), ((), ()))), (x, v, (((1,), (0,)), ((), ())))):
-    (eqn,) = products(jax.make_jaxpr(lambda a, b, d=d: jlf.dot_general(a, b, d))(lhs, rhs))
-    assert eqn.params["precision"] is None
+  assert check_hlo_products(hlo, narrow) == 3
 
 
 def test_wide_output_and_wide_weight_gradient():
@@ -360,21 +347,19 @@ def test_wide_kernel_gradients_run_on_cpu():
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_wide_kernel_gradient_keeps_16bit_operands_off_cpu(monkeypatch, platform):
+def test_wide_kernel_gradient_keeps_16bit_operands_off_cpu(platform):
   # Only XLA:CPU gets widened operands. Lowered for a GPU or TPU, the kernel gradient is the
-  # bf16 x bf16 -> f32 product (stating fp32 accumulation on TPU) and no product of the CPU
-  # form is left; the same trace lowered for CPU has it.
-  monkeypatch.setattr(accumulate, "_platform", lambda: "tpu" if platform == "tpu" else "gpu")
+  # bf16 x bf16 -> f32 product and no product of the CPU form is left; the same trace lowered
+  # for CPU has it.
   x, w = _random((2, 8, 16), 0, BF16), _random((16, 32), 1, BF16)
   dims = (((2,), (0,)), ((), ()))
   loss = lambda a, b: jnp.sum(jlf.dot_general(a, b, dims, rhs_grad_dtype=F32).astype(F32) ** 2)
   traced = jax.jit(jax.grad(loss, (0, 1))).trace(x, w)
   hlo = traced.lower(lowering_platforms=(platform,)).as_text()
-  declared = platform == "tpu"
-  assert check_hlo_products(hlo, wide=1, declared=declared) == 3  # forward, both gradients
+  assert check_hlo_products(hlo, wide=1) == 3  # forward, both gradients
   assert {types for *_, types in _operand_types(hlo)} == {("bf16", "bf16")}
   cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
-  assert check_hlo_products(cpu, declared=declared) == 2  # the forward, the input gradient
+  assert check_hlo_products(cpu) == 2  # the forward, the input gradient
   assert ("32x16xf32", ("f32", "f32")) in _operand_types(cpu)  # the kernel gradient, transposed
 
 
