@@ -62,8 +62,7 @@ from jmp_lite.flax._module_policy import (
 from jmp_lite.flax._resolved_precision import (
   ResolvedPrecision,
   attribute_updates,
-  explicit_dtype,
-  resolve,
+  resolve_module,
 )
 
 _PARAMS = "params"
@@ -109,7 +108,7 @@ class _Interceptor:
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
     parent = self.stack[-1] if self.stack else None
-    resolved = resolve(self.policies, type(module), parent, explicit_dtype(module))
+    resolved = resolve_module(self.policies, module, parent)
     if self.owners is not None:
       self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
     if self.found is not None and resolved.explicit_dtype is not None:

@@ -78,8 +78,7 @@ from jmp_lite.flax._module_policy import (
 from jmp_lite.flax._resolved_precision import (
   ResolvedPrecision,
   attribute_updates,
-  explicit_dtype,
-  resolve,
+  resolve_module,
 )
 
 M = TypeVar("M", bound=nnx.Module)
@@ -316,8 +315,7 @@ def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple,
   resolved: dict[tuple, ResolvedPrecision] = {}
   for path in sorted(modules, key=len):
     parent = enclosing_entry(resolved, path[:-1]) if path else None
-    module = modules[path]
-    resolved[path] = resolve(policies, type(module), parent, explicit_dtype(module))
+    resolved[path] = resolve_module(policies, modules[path], parent)
   return resolved
 
 

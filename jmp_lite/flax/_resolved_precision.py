@@ -3,9 +3,10 @@
 :func:`resolve` applies the rules of :class:`~jmp_lite.flax.ModulePolicies`
 to one module in its context (the module around it): its class's override,
 inherited compute dtypes, islands, the module's own ``dtype=`` and the kernel
-hooks. :func:`attribute_updates` turns the result into the attributes set on
-the module while it runs. Both integrations (linen's interceptor, NNX's view)
-call them for every module.
+hooks; :func:`resolve_module` does it for a module instance, reading its
+``dtype``. :func:`attribute_updates` turns the result into the attributes set
+on the module while it runs. Both integrations (linen's interceptor, NNX's
+view) call them for every module.
 
 Nothing is cached: a resolution is a walk along the class's MRO and a few
 comparisons, once per module call traced, which is negligible next to the
@@ -115,6 +116,22 @@ def resolve(
   )
 
 
+def resolve_module(
+  policies: ModulePolicies, module: Any, parent: ResolvedPrecision | None = None
+) -> ResolvedPrecision:
+  """Returns the precision of ``module`` called inside ``parent``, from its class and ``dtype``.
+
+  Args:
+    policies: what the model runs under.
+    module: a linen or NNX module.
+    parent: as for :func:`resolve`.
+
+  Returns:
+    :func:`resolve` of its class and its own ``dtype`` (:func:`explicit_dtype`).
+  """
+  return resolve(policies, type(module), parent, explicit_dtype(module))
+
+
 def attribute_updates(
   policies: ModulePolicies,
   module: Any,
@@ -140,7 +157,7 @@ def attribute_updates(
     AttributeError: if its :class:`~jmp_lite.flax.ModuleOverride` sets an
       attribute the module does not have.
   """
-  resolved = resolved or resolve(policies, type(module), None, explicit_dtype(module))
+  resolved = resolved or resolve_module(policies, module)
   options: dict[str, Any] = {}
   if policies.grad_reduction_dtype is not None:
     options["rhs_grad_dtype"] = policies.grad_reduction_dtype

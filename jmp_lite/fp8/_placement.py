@@ -108,9 +108,7 @@ class MatmulRoofline:
     """The estimated seconds of the matmul's forward and backward GEMMs.
 
     Args:
-      m: the input's rows.
-      k: the contraction.
-      n: the output features.
+      m, k, n: the matmul's shape, as :meth:`ShapeRule.should_run` takes it.
       fp8: estimate the fp8 step (quantization included) instead of the 16-bit one.
 
     Returns:
@@ -133,9 +131,7 @@ class MatmulRoofline:
     """The estimated 16-bit step time over the fp8 one (> 1: fp8 is faster).
 
     Args:
-      m: the input's rows.
-      k: the contraction.
-      n: the output features.
+      m, k, n: the matmul's shape, as :meth:`ShapeRule.should_run` takes it.
 
     Returns:
       The ratio.
@@ -146,9 +142,7 @@ class MatmulRoofline:
     """Whether fp8 is estimated faster for this matmul.
 
     Args:
-      m: the input's rows.
-      k: the contraction.
-      n: the output features.
+      m, k, n: the matmul's shape, as :meth:`ShapeRule.should_run` takes it.
 
     Returns:
       ``speedup(m, k, n) > 1``.
@@ -282,9 +276,7 @@ class Fp8Placement:
     """Why a matmul of this size stays in the compute dtype (``None``: fp8).
 
     Args:
-      m: the input's rows.
-      k: the contraction.
-      n: the output features.
+      m, k, n: the matmul's shape, as :meth:`ShapeRule.should_run` takes it.
 
     Returns:
       The reason, or ``None``.
