@@ -121,12 +121,28 @@ def _operands(rest: str) -> list[str]:
   return re.findall(r"%([\w.\-]+)", rest[:end])
 
 
-def _called(instruction: Instruction) -> list[tuple[str, int]]:
+def _trips(instruction: Instruction, computations: dict[str, list[Instruction]]) -> int:
+  """How often a ``while`` runs: its known trip count, else the one bound its condition compares
+  with (a ``scan`` before the passes that annotate it), else once."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instruction.rest)
+  if known:
+    return int(known.group(1))
+  condition = re.search(r"condition=%?([\w.\-]+)", instruction.rest)
+  bounds = [
+    int(bound.group(1))
+    for i in computations.get(condition.group(1) if condition else "", [])
+    if i.opcode == "constant" and (bound := re.match(r"(\d+)\)", i.rest))
+  ]
+  return bounds[0] if len(bounds) == 1 else 1
+
+
+def _called(
+  instruction: Instruction, computations: dict[str, list[Instruction]]
+) -> list[tuple[str, int]]:
   """The computations a control-flow instruction runs, each with how many times it runs."""
   rest = instruction.rest
   if instruction.opcode == "while":
-    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
-    times = int(trips.group(1)) if trips else 1
+    times = _trips(instruction, computations)
     return [(name, times) for name in re.findall(r"(?:body|condition)=%?([\w.\-]+)", rest)]
   if instruction.opcode == "conditional":
     branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
@@ -162,7 +178,7 @@ def kernel_summary(text: str) -> dict[str, Any]:
   while stack:
     name, times = stack.pop()
     for instruction in computations.get(name, []):
-      for callee, more in _called(instruction):
+      for callee, more in _called(instruction, computations):
         if (callee, times * more) not in seen:
           seen.add((callee, times * more))
           stack.append((callee, times * more))
@@ -192,3 +208,28 @@ def kernel_summary(text: str) -> dict[str, Any]:
     "bytes_moved": moved,
     "gemm_custom_calls": dict(sorted(targets.items())),
   }
+
+
+def collective_bytes(text: str) -> dict[str, dict[str, int]]:
+  """Result bytes of the collectives an HLO module runs, by kind and dtype.
+
+  Args:
+    text: an HLO module's text with synchronous collectives (e.g. dumped right after SPMD
+      partitioning, before a backend changes the collectives' types).
+
+  Returns:
+    ``{kind: {dtype: bytes}}``; a collective in a ``while`` body counts once per iteration.
+  """
+  computations, entry = parse(text)
+  totals: dict[str, dict[str, int]] = {}
+  stack = [(entry, 1)]
+  while stack:
+    name, times = stack.pop()
+    for instruction in computations.get(name, []):
+      stack += [(callee, times * more) for callee, more in _called(instruction, computations)]
+      if instruction.opcode in _COLLECTIVES:
+        by_dtype = totals.setdefault(instruction.opcode, {})
+        for dtype, dims in _arrays(instruction.shape):
+          size = times * int(np.prod(dims)) * _BITS[dtype] // 8
+          by_dtype[dtype] = by_dtype.get(dtype, 0) + size
+  return totals

@@ -1,4 +1,4 @@
-"""benchmarks/fp8_recipe_errors.py and benchmarks/fp8_training.py at tiny sizes.
+"""benchmarks/fp8_recipe_errors.py, fp8_training.py and fp8_sharding.py at tiny sizes.
 
 The numerics script's cases are checked for what they show: row scales against a per-tensor
 E5M2 gradient, stale delayed scales on heavy tails, and a 14-bit accumulator over all of K
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import fp8_recipe_errors, fp8_training
+from benchmarks import fp8_recipe_errors, fp8_sharding, fp8_training
 from examples import charlm, common
 from jmp_lite import fp8
 from jmp_lite.flax import fp8 as flax_fp8
@@ -113,3 +113,23 @@ def test_training_runs_every_dense_in_fp8_or_all_but_the_first_and_last(keep_fir
     # The first block's q/k/v (one input, counted together) and the head.
     assert sorted(p.rsplit("/", 1)[-1] for p in kept) == ["head", "key", "query", "value"]
     assert len(report.fp8) == len(report.layers) - 4
+
+
+def test_sharding_counts_each_collective_per_execution(tmp_path):
+  # FSDP on 8 devices: the bf16 layer gathers its bf16 kernel and sums the kernel gradient's
+  # partial products in bf16; current scaling gathers the E4M3 kernel and sums in fp32; block
+  # scaling sums fp32 per 1024-row tile of the transposed gradient, in a loop counted per trip.
+  shape = fp8_sharding.SMOKE_SHAPE
+  kernel = shape["d"] * shape["f"]
+  result = fp8_sharding.main(["--smoke", "--out", str(tmp_path)])
+  rows = result["rows"]
+  assert rows["bf16"]["collectives"] == {
+    "all-gather": {"bf16": 2 * kernel},
+    "all-reduce": {"bf16": 2 * kernel},
+  }
+  current = rows["current"]["collectives"]
+  assert current["all-gather"] == {"f8e4m3fn": kernel}
+  assert current["all-reduce"]["f32"] == 4 * kernel
+  assert rows["block"]["collectives"]["all-reduce"] == {"f32": 4 * kernel}
+  assert json.loads((tmp_path / "fp8_sharding.json").read_text())["rows"] == rows
+  assert "| block |" in (tmp_path / "fp8_sharding.md").read_text()
