@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jmp_lite import _dtypes as dtypes
+from jmp_lite import _validation
 from jmp_lite._fp8_config import E4M3, E5M2, as_fp8_dtype
 from jmp_lite._policy import FP8_KEY, Policy, parse_spec, policy_of
 from jmp_lite.fp8 import _recipes as recipes
@@ -289,17 +290,18 @@ def get_fp8_policy(spec: str | Policy | Fp8Policy, **config_kwargs: Any) -> Fp8P
       )
     _check_options(type(recipe), config_kwargs, {}, spec)
     return dataclasses.replace(spec, config=dataclasses.replace(recipe, **config_kwargs))
+  _validation.check_type(
+    spec,
+    (Policy, str),
+    "get_fp8_policy expects a string such as 'p=f32,c=bf16,o=f32,fp8=current', a Policy or an "
+    "Fp8Policy",
+  )
   value: str | None = None
   if isinstance(spec, Policy):
     base = spec
-  elif isinstance(spec, str):
+  else:
     parsed = parse_spec(spec, fp8=True)
     base, value = policy_of(parsed, spec), parsed.values.get(FP8_KEY)
-  else:
-    raise TypeError(
-      "get_fp8_policy expects a string such as 'p=f32,c=bf16,o=f32,fp8=current', a Policy or an "
-      f"Fp8Policy, got {spec!r} of type {type(spec).__name__}."
-    )
   if dtypes.is_float8(base.compute_dtype):
     if value is not None:
       raise ValueError(
