@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes as dtypes
+from jmp_lite import _validation
 
 T = TypeVar("T")
 
@@ -315,11 +316,9 @@ def get_policy(policy_name: str | Policy) -> Policy:
   """
   if isinstance(policy_name, Policy):
     return policy_name
-  if not isinstance(policy_name, str):
-    raise TypeError(
-      f"get_policy expects a string such as 'p=f32,c=bf16,o=f32', got "
-      f"{policy_name!r} of type {type(policy_name).__name__}."
-    )
+  _validation.check_type(
+    policy_name, str, "get_policy expects a string such as 'p=f32,c=bf16,o=f32'"
+  )
   return policy_of(parse_spec(policy_name, fp8=False), policy_name)
 
 

@@ -11,7 +11,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,8 @@ import numpy as np
 
 from jmp_lite import _compat
 from jmp_lite import _dtypes as dtypes
+
+T = TypeVar("T")
 
 
 def is_concrete(x) -> bool:
@@ -211,6 +213,26 @@ def check_bool(value: Any, name: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a bool, got {value!r}.")
   return bool(value)
+
+
+def check_type(value: T, accepted: type | tuple[type, ...], message: str) -> T:
+  """Checks that a setting is of a type the caller accepts.
+
+  Args:
+    value: the argument given.
+    accepted: the types it may have, as for :func:`isinstance`.
+    message: the TypeError's words before the value: what the caller accepts,
+      e.g. ``"get_policy expects a string such as 'p=f32,c=bf16,o=f32'"``.
+
+  Returns:
+    ``value``, if it is an instance of ``accepted``.
+
+  Raises:
+    TypeError: ``"{message}, got {value!r} of type {its type's name}."`` otherwise.
+  """
+  if not isinstance(value, accepted):
+    raise TypeError(f"{message}, got {value!r} of type {type(value).__name__}.")
+  return value
 
 
 def check_predicate(pred: Any, name: str) -> jax.Array:

@@ -65,7 +65,7 @@ def _as_dtype(value: Any) -> np.dtype | None:
     return None
 
 
-def explicit_dtype_entry(module: Any, precision: ResolvedPrecision) -> ExplicitDtype:
+def describe(module: Any, precision: ResolvedPrecision) -> ExplicitDtype:
   """Describes a module whose ``dtype`` the policy keeps (``precision.explicit_dtype``).
 
   Args:
@@ -73,7 +73,7 @@ def explicit_dtype_entry(module: Any, precision: ResolvedPrecision) -> ExplicitD
     precision: its :class:`ResolvedPrecision`, with an ``explicit_dtype``.
 
   Returns:
-    Its :class:`ExplicitDtype`, for :func:`warn_explicit_dtypes`.
+    Its :class:`ExplicitDtype`, for :func:`warn`.
   """
   cls = type(module)
   dtype = np.dtype(precision.explicit_dtype)
@@ -107,7 +107,7 @@ _DESCRIBED = {
 }
 
 
-def warn_explicit_dtypes(
+def warn(
   policies: ModulePolicies,
   found: Mapping[str, ExplicitDtype],
   caller: str,
@@ -123,7 +123,7 @@ def warn_explicit_dtypes(
 
   Args:
     policies: what the model runs under.
-    found: ``{path: ExplicitDtype}`` (:func:`explicit_dtype_entry`).
+    found: ``{path: ExplicitDtype}`` (:func:`describe`).
     caller: the public function the user called, for the message.
     stacklevel: as for :func:`warnings.warn`, counted from the caller of this function.
   """

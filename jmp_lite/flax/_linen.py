@@ -39,31 +39,11 @@ from flax.core import FrozenDict, meta
 from jmp_lite._autocast import rewrite
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._policy_scope import policy_scope
-from jmp_lite.flax._explicit_dtypes import (
-  ExplicitDtype,
-  explicit_dtype_entry,
-  warn_explicit_dtypes,
-)
-from jmp_lite.flax._module_call import (
-  CallCounter,
-  CallKey,
-  CallRecord,
-  attributes_set,
-  cast_call,
-  enclosing_entry,
-  output_chain,
-)
-from jmp_lite.flax._module_policy import (
-  ModulePolicies,
-  as_module_policies,
-  options_on_the_policy,
-  rewrites_model_ops,
-)
-from jmp_lite.flax._resolved_precision import (
-  ResolvedPrecision,
-  attribute_updates,
-  resolve_module,
-)
+from jmp_lite.flax import _explicit_dtypes as explicit_dtypes
+from jmp_lite.flax import _module_call as module_call
+from jmp_lite.flax import _module_policy as module_policy
+from jmp_lite.flax import _resolved_precision as precision
+from jmp_lite.flax._module_policy import ModulePolicies
 
 _PARAMS = "params"
 
@@ -89,8 +69,8 @@ class _Interceptor:
     self,
     policies: ModulePolicies,
     owners: dict[tuple, np.dtype] | None,
-    found: dict[str, ExplicitDtype] | None = None,
-    wide_calls: frozenset[CallKey] = frozenset(),
+    found: dict[str, explicit_dtypes.ExplicitDtype] | None = None,
+    wide_calls: frozenset[module_call.CallKey] = frozenset(),
   ):
     self.policies = policies
     # While discovering: the compute dtype each module (scope path) reads its params in.
@@ -101,20 +81,21 @@ class _Interceptor:
     # return the policy's output dtype, and a matmul among them produces it directly.
     # Other calls of the same modules (a tied embedding's lookup) do not.
     self.wide_calls = wide_calls
-    self.counter = CallCounter()  # the same numbering while discovering and running
-    self.calls: list[CallRecord] = []  # while discovering, in exit order
-    self.stack: list[ResolvedPrecision] = []  # the enclosing module calls, outermost first
+    self.counter = module_call.CallCounter()  # the same numbering while discovering and running
+    self.calls: list[module_call.CallRecord] = []  # while discovering, in exit order
+    # The enclosing module calls, outermost first.
+    self.stack: list[precision.ResolvedPrecision] = []
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
     parent = self.stack[-1] if self.stack else None
-    resolved = resolve_module(self.policies, module, parent)
+    resolved = precision.resolve_module(self.policies, module, parent)
     if self.owners is not None:
       self.owners.setdefault(tuple(module.path), resolved.compute_dtype)
     if self.found is not None and resolved.explicit_dtype is not None:
       name = "/".join(module.path)
       if name not in self.found:
-        self.found[name] = explicit_dtype_entry(module, resolved)
+        self.found[name] = explicit_dtypes.describe(module, resolved)
     if context.method_name == "setup":
       return next_fun(*args, **kwargs)
     call = self.counter.key(tuple(module.path), context.method_name)
@@ -124,20 +105,21 @@ class _Interceptor:
     wide = not self.stack or is_output
     # Not while discovering (nothing is differentiated), nor where variables are stored.
     recompute = resolved.recompute and self.owners is None and not _creates_variables(module)
-    updates = attribute_updates(self.policies, module, resolved, wide_output=is_output)
+    updates = precision.attribute_updates(self.policies, module, resolved, wide_output=is_output)
     self.stack.append(resolved)
     try:
-      with attributes_set(module, updates):
-        return cast_call(
-          next_fun,
-          args,
-          kwargs,
-          resolved.compute_dtype,
-          resolved.root_output_dtype if wide else resolved.output_dtype,
-          recompute=recompute,
-          record=self.calls if self.owners is not None else None,
-          call=call,
-        )
+      return module_call.cast_call(
+        module,
+        updates,
+        next_fun,
+        args,
+        kwargs,
+        resolved.compute_dtype,
+        resolved.root_output_dtype if wide else resolved.output_dtype,
+        recompute=recompute,
+        record=self.calls if self.owners is not None else None,
+        call=call,
+      )
     finally:
       self.stack.pop()
 
@@ -177,7 +159,7 @@ def _check_module(module: Any, caller: str) -> None:
     )
 
 
-@options_on_the_policy
+@module_policy.options_on_the_policy
 def policy_apply(module: nn.Module, policy: ModulePolicies | Policy | str) -> Callable[..., Any]:
   """Returns ``module.apply`` running under ``policy``.
 
@@ -243,12 +225,12 @@ def policy_apply(module: nn.Module, policy: ModulePolicies | Policy | str) -> Ca
   'float32'
   """
   _check_module(module, "policy_apply")
-  return _make_apply(module, as_module_policies(policy, "policy_apply"))
+  return _make_apply(module, module_policy.as_module_policies(policy, "policy_apply"))
 
 
 def _discover(
   policies: ModulePolicies, run: Callable[..., Any], variables: Mapping[str, Any]
-) -> tuple[dict[tuple, np.dtype], frozenset[CallKey]]:
+) -> tuple[dict[tuple, np.dtype], frozenset[module_call.CallKey]]:
   """Traces ``run(variables)`` abstractly: which module owns each parameter, and the calls
   that compute the model's output.
 
@@ -258,12 +240,12 @@ def _discover(
   """
   owners: dict[tuple, np.dtype] = {}
   discover = _Interceptor(policies, owners)
-  output_calls: frozenset[CallKey] = frozenset()
+  output_calls: frozenset[module_call.CallKey] = frozenset()
 
   def trace(v):
     nonlocal output_calls
     run(v)
-    output_calls = output_chain(discover.calls)
+    output_calls = module_call.output_chain(discover.calls)
     discover.calls.clear()  # the records hold tracers of this trace only
 
   with nn.intercept_methods(discover):
@@ -277,7 +259,7 @@ def _cast_params(
   """``variables`` with each parameter in the compute dtype of the module owning it."""
 
   def cast_param(path, value):
-    dtype = enclosing_entry(owners, path[:-1])
+    dtype = module_call.enclosing_entry(owners, path[:-1])
     return cast_floating(value, dtype if dtype is not None else policies.policy.compute_dtype)
 
   cast: Mapping[str, Any] = {**variables, _PARAMS: _map_params(variables[_PARAMS], cast_param)}
@@ -304,7 +286,7 @@ def _restore_params(out: Any, params: Any, param_dtype: Any) -> Any:
 
 
 def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., Any]:
-  model_ops = rewrites_model_ops(policies)
+  model_ops = module_policy.rewrites_model_ops(policies)
 
   def apply_fn(variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
     if not isinstance(variables, Mapping):
@@ -317,10 +299,10 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
       with policy_scope(policies.policy):  # marks the model's equations for jl.audit
         return module.apply(v, *args, **kwargs)
 
-    found: dict[str, ExplicitDtype] = {}
+    found: dict[str, explicit_dtypes.ExplicitDtype] = {}
     params = variables.get(_PARAMS)
     owners: dict[tuple, np.dtype] = {}
-    output_calls: frozenset[CallKey] = frozenset()
+    output_calls: frozenset[module_call.CallKey] = frozenset()
     # Without parameters there is nothing to cast (e.g. a parameter-free model).
     if params is not None:
       owners, output_calls = _discover(policies, lambda v: run(v, args, kwargs), variables)
@@ -331,7 +313,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
 
     cast = _cast_params(variables, owners, policies) if params is not None else variables
     out = (rewrite(call, policies.policy.compute_dtype) if model_ops else call)(cast, args, kwargs)
-    warn_explicit_dtypes(policies, found, "policy_apply", stacklevel=2)
+    explicit_dtypes.warn(policies, found, "policy_apply", stacklevel=2)
     mutable = kwargs.get("mutable", False)
     if params is not None and mutable is not False and isinstance(out, tuple) and len(out) == 2:
       out = _restore_params(out, params, policies.policy.param_dtype)
@@ -341,7 +323,7 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
   return apply_fn
 
 
-@options_on_the_policy
+@module_policy.options_on_the_policy
 def policy_init(module: nn.Module, policy: ModulePolicies | Policy | str) -> Callable[..., Any]:
   """Returns ``module.init`` running under ``policy``, with params in the param dtype.
 
@@ -365,13 +347,13 @@ def policy_init(module: nn.Module, policy: ModulePolicies | Policy | str) -> Cal
     TypeError, ValueError: as :func:`policy_apply`.
   """
   _check_module(module, "policy_init")
-  policies = as_module_policies(policy, "policy_init")
+  policies = module_policy.as_module_policies(policy, "policy_init")
 
   def init_fn(rngs: Any, *args: Any, **kwargs: Any) -> Any:
-    found: dict[str, ExplicitDtype] = {}
+    found: dict[str, explicit_dtypes.ExplicitDtype] = {}
     with nn.intercept_methods(_Interceptor(policies, None, found)):
       variables = module.init(rngs, *args, **kwargs)
-    warn_explicit_dtypes(policies, found, "policy_init", stacklevel=2)
+    explicit_dtypes.warn(policies, found, "policy_init", stacklevel=2)
     if _PARAMS not in variables:
       return variables
     params = _map_params(

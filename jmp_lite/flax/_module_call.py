@@ -1,9 +1,10 @@
 """One module call under a precision policy, the same for linen and NNX (private).
 
 Both integrations run every module call alike: floating inputs are cast to the
-module's compute dtype, the module runs (under :func:`jax.checkpoint` for a
-recomputed island, with the cast inside, so that the narrow inputs are what is
-saved), and floating outputs are cast to its output dtype. :func:`cast_call`
+module's compute dtype, the module runs with the attributes the policy sets on
+it for the call (its kernels; under :func:`jax.checkpoint` for a recomputed
+island, with the cast inside, so that the narrow inputs are what is saved), and
+floating outputs are cast to its output dtype. :func:`cast_call`
 is that wrapper: linen calls it from its method interceptor
 (:func:`~jmp_lite.flax.policy_apply`), NNX from each
 :class:`~jmp_lite.flax.PolicyModule` of a view.
@@ -49,7 +50,7 @@ def _checkpointed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 
 @contextlib.contextmanager
-def attributes_set(module: Any, updates: Mapping[str, Any]):
+def _attributes_set(module: Any, updates: Mapping[str, Any]):
   """Sets attributes of a module for the duration of one call.
 
   Linen modules are frozen dataclasses, so ``object.__setattr__`` is the only
@@ -125,6 +126,8 @@ def _arrays(tree: Any) -> list[jax.Array]:
 
 
 def cast_call(
+  module: Any,
+  attributes: Mapping[str, Any],
   fn: Callable[..., Any],
   args: tuple,
   kwargs: dict,
@@ -138,6 +141,9 @@ def cast_call(
   """Calls ``fn`` with floating inputs in ``compute_dtype``, returns outputs in ``output_dtype``.
 
   Args:
+    module: the module called, whose ``attributes`` are set for the call.
+    attributes: ``{name: value}`` of the module's attributes to set while ``fn``
+      runs (its kernels), restored after it.
     fn: the module call (a linen method, an NNX module or bound method).
     args: its positional arguments.
     kwargs: its keyword arguments.
@@ -158,13 +164,16 @@ def cast_call(
     args, kwargs = cast_floating((args, kwargs), compute_dtype)
     return fn(*args, **kwargs)
 
-  if recompute:
-    # Both casts inside the checkpoint: what crosses it, in either direction,
-    # is narrow (the inputs and the outputs' cotangents), so the backward pass
-    # keeps no wide copy of either.
-    out = _checkpointed(lambda *a, **k: cast_floating(narrow(*a, **k), output_dtype), args, kwargs)
-  else:
-    out = narrow(*args, **kwargs)
+  with _attributes_set(module, attributes):
+    if recompute:
+      # Both casts inside the checkpoint: what crosses it, in either direction,
+      # is narrow (the inputs and the outputs' cotangents), so the backward pass
+      # keeps no wide copy of either.
+      out = _checkpointed(
+        lambda *a, **k: cast_floating(narrow(*a, **k), output_dtype), args, kwargs
+      )
+    else:
+      out = narrow(*args, **kwargs)
   returned = cast_floating(out, output_dtype)
   if record is not None and call is not None:
     record.append(CallRecord(call, _arrays(out), _arrays(returned)))

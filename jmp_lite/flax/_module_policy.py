@@ -291,11 +291,12 @@ def as_module_policies(policy: ModulePolicies | Policy | str, caller: str) -> Mo
   """
   if isinstance(policy, ModulePolicies):
     return policy
-  if not isinstance(policy, (Policy, str)):
-    raise TypeError(
-      f"{caller} expects a policy: a jmp_lite.Policy, a policy string or a "
-      f"jmp_lite.flax.ModulePolicies; got {policy!r} of type {type(policy).__name__}."
-    )
+  _validation.check_type(
+    policy,
+    (Policy, str),
+    f"{caller} expects a policy: a jmp_lite.Policy, a policy string or a "
+    "jmp_lite.flax.ModulePolicies",
+  )
   return ModulePolicies(policy)
 
 

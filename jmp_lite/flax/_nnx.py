@@ -54,32 +54,12 @@ from jmp_lite._autocast import rewrite
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._policy_scope import policy_scope
 from jmp_lite._tree_util import is_array, split_leaves
+from jmp_lite.flax import _explicit_dtypes as explicit_dtypes
+from jmp_lite.flax import _module_call as module_call
+from jmp_lite.flax import _module_policy as module_policy
+from jmp_lite.flax import _resolved_precision as precision
 from jmp_lite.flax._compat import is_graph_node
-from jmp_lite.flax._explicit_dtypes import (
-  ExplicitDtype,
-  explicit_dtype_entry,
-  warn_explicit_dtypes,
-)
-from jmp_lite.flax._module_call import (
-  CallCounter,
-  CallKey,
-  CallRecord,
-  attributes_set,
-  cast_call,
-  enclosing_entry,
-  output_chain,
-)
-from jmp_lite.flax._module_policy import (
-  ModulePolicies,
-  as_module_policies,
-  options_on_the_policy,
-  rewrites_model_ops,
-)
-from jmp_lite.flax._resolved_precision import (
-  ResolvedPrecision,
-  attribute_updates,
-  resolve_module,
-)
+from jmp_lite.flax._module_policy import ModulePolicies
 
 M = TypeVar("M", bound=nnx.Module)
 _F32 = np.dtype(jnp.float32)
@@ -88,7 +68,7 @@ _F32 = np.dtype(jnp.float32)
 class _WideCalls(NamedTuple):
   """The calls of one module that compute a view's output, and how they run."""
 
-  calls: frozenset[CallKey]
+  calls: frozenset[module_call.CallKey]
   output_dtype: np.dtype  # the policy's output dtype
   attributes: tuple[tuple[str, Any], ...]  # the module's kernels returning it
 
@@ -115,15 +95,17 @@ class _ViewCalls:
   """
 
   def __init__(self) -> None:
-    self.counter: CallCounter | None = None
-    self.records: list[CallRecord] | None = None
-    self.pending: tuple[ModulePolicies, dict[tuple, tuple[Any, ResolvedPrecision]]] | None = None
+    self.counter: module_call.CallCounter | None = None
+    self.records: list[module_call.CallRecord] | None = None
+    self.pending: (
+      tuple[ModulePolicies, dict[tuple, tuple[Any, precision.ResolvedPrecision]]] | None
+    ) = None
     self.wide: Mapping[tuple, _WideCalls] = {}
 
   @contextlib.contextmanager
   def numbering(self) -> Iterator[None]:
     """Numbers the calls inside the ``with`` block (one call of the view's root)."""
-    outer, self.counter = self.counter, CallCounter()
+    outer, self.counter = self.counter, module_call.CallCounter()
     try:
       yield
     finally:
@@ -223,17 +205,18 @@ class PolicyModule(nnx.Module):
     call = calls.counter.key(self._path, method) if calls.counter is not None else None
     wide = calls.wide.get(self._path, _NOT_WIDE)
     in_chain = call in wide.calls
-    with attributes_set(self.module, dict(wide.attributes) if in_chain else {}):
-      return cast_call(
-        fn,
-        args,
-        kwargs,
-        self._compute_dtype,
-        wide.output_dtype if in_chain else self._output_dtype,
-        recompute=self._recompute,
-        record=calls.records,
-        call=call,
-      )
+    return module_call.cast_call(
+      self.module,
+      dict(wide.attributes) if in_chain else {},
+      fn,
+      args,
+      kwargs,
+      self._compute_dtype,
+      wide.output_dtype if in_chain else self._output_dtype,
+      recompute=self._recompute,
+      record=calls.records,
+      call=call,
+    )
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     """Calls the wrapped module with its inputs and outputs cast.
@@ -272,17 +255,17 @@ class PolicyModule(nnx.Module):
       a, k = rebuild(values)
       return view(*a, **k)
 
-    records: list[CallRecord] = []
+    records: list[module_call.CallRecord] = []
     calls.records = records
     try:
       nnx.eval_shape(call, self, traced)
     finally:
       calls.records = None
-    chain = output_chain(records)
+    chain = module_call.output_chain(records)
     wide = {}
     for path in {key.path for key in chain}:
       module, r = modules[path]
-      updates = attribute_updates(policies, module, r, wide_output=True)
+      updates = precision.attribute_updates(policies, module, r, wide_output=True)
       in_chain = frozenset(key for key in chain if key.path == path)
       wide[path] = _WideCalls(in_chain, np.dtype(r.root_output_dtype), tuple(updates.items()))
     calls.wide = wide
@@ -304,7 +287,9 @@ def _same_leaves(a: Any, b: Any) -> bool:
   return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple, ResolvedPrecision]:
+def _resolve_modules(
+  model: nnx.Module, policies: ModulePolicies
+) -> dict[tuple, precision.ResolvedPrecision]:
   """The precision of every module of ``model``, by path, parents before children."""
   modules = {
     tuple(path): module
@@ -312,14 +297,14 @@ def _resolve_modules(model: nnx.Module, policies: ModulePolicies) -> dict[tuple,
     # Containers are transparent: a module in an nnx.List belongs to the list's holder.
     if not isinstance(module, (nnx.List, nnx.Dict))
   }
-  resolved: dict[tuple, ResolvedPrecision] = {}
+  resolved: dict[tuple, precision.ResolvedPrecision] = {}
   for path in sorted(modules, key=len):
-    parent = enclosing_entry(resolved, path[:-1]) if path else None
-    resolved[path] = resolve_module(policies, modules[path], parent)
+    parent = module_call.enclosing_entry(resolved, path[:-1]) if path else None
+    resolved[path] = precision.resolve_module(policies, modules[path], parent)
   return resolved
 
 
-@options_on_the_policy
+@module_policy.options_on_the_policy
 def policy_view(model: M, policy: ModulePolicies | Policy | str) -> M:
   """Returns a view of ``model`` that runs under ``policy`` (``model`` is untouched).
 
@@ -373,18 +358,20 @@ def policy_view(model: M, policy: ModulePolicies | Policy | str) -> M:
       f"policy_view expects a flax.nnx Module, got {model!r} of type {type(model).__name__}"
       " (for linen models use jmp_lite.flax.policy_apply)."
     )
-  policies = as_module_policies(policy, "policy_view")
+  policies = module_policy.as_module_policies(policy, "policy_view")
   view, found = _view(model, policies)
   # Once per view, i.e. once per trace of the step that builds it.
-  warn_explicit_dtypes(policies, found, "policy_view", stacklevel=2)
+  explicit_dtypes.warn(policies, found, "policy_view", stacklevel=2)
   return view
 
 
-def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict[str, ExplicitDtype]]:
+def _view(
+  model: nnx.Module, policies: ModulePolicies
+) -> tuple[Any, dict[str, explicit_dtypes.ExplicitDtype]]:
   """The view, and the modules whose own dtype differs from the policy's, by path."""
   resolved = _resolve_modules(model, policies)
   found = {
-    "/".join(map(str, path)): explicit_dtype_entry(module, r)
+    "/".join(map(str, path)): explicit_dtypes.describe(module, r)
     for path, module in nnx.iter_modules(model)
     if (r := resolved.get(tuple(path))) is not None and r.explicit_dtype is not None
   }
@@ -393,7 +380,7 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict[str, E
     value = param.get_value()
     if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
       return param
-    owner = enclosing_entry(resolved, tuple(path[:-1]))
+    owner = module_call.enclosing_entry(resolved, tuple(path[:-1]))
     dtype = owner.compute_dtype if owner is not None else policies.policy.compute_dtype
     # A new Variable: the model's Param keeps its value and dtype.
     return param if value.dtype == dtype else param.replace(cast_floating(value, dtype))
@@ -404,18 +391,18 @@ def _view(model: nnx.Module, policies: ModulePolicies) -> tuple[Any, dict[str, E
   view = nnx.merge(graphdef, nnx.map_state(cast_param, params), rest, copy=False)
 
   calls = _ViewCalls()  # shared by all the wrappers of this view
-  modules: dict[tuple, tuple[Any, ResolvedPrecision]] = {}
+  modules: dict[tuple, tuple[Any, precision.ResolvedPrecision]] = {}
 
   def wrap(path: tuple, node: Any) -> Any:
     if tuple(path) in resolved and not isinstance(node, PolicyModule):
       r = resolved[tuple(path)]
-      for name, value in attribute_updates(policies, node, r).items():
+      for name, value in precision.attribute_updates(policies, node, r).items():
         setattr(node, name, value)  # node belongs to the view, not to the model
       output = r.root_output_dtype if not path else r.output_dtype
       root_policy = None if path else policies.policy
       wrapper = PolicyModule(
         node, r.compute_dtype, output, r.recompute, path, root_policy,
-        model_ops=not path and rewrites_model_ops(policies),
+        model_ops=not path and module_policy.rewrites_model_ops(policies),
       )  # fmt: skip
       wrapper._calls = calls
       modules[tuple(path)] = (node, r)

@@ -23,17 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jmp_lite import _dtypes as dtypes
+from jmp_lite import _validation
 from jmp_lite._fp8_config import E4M3, E5M2, as_fp8_dtype
 from jmp_lite._policy import FP8_KEY, Policy, parse_spec, policy_of
-from jmp_lite.fp8._recipes import (
-  BlockScaling,
-  CurrentScaling,
-  DelayedScaling,
-  Fp8Recipe,
-  Mxfp8Scaling,
-  RowwiseScaling,
-  as_recipe,
-)
+from jmp_lite.fp8 import _recipes as recipes
 
 Formats = tuple[np.dtype, np.dtype]  # (forward, backward)
 # The format spellings: (forward format, backward format).
@@ -71,11 +64,11 @@ class _Named(NamedTuple):
 
 
 RECIPE_NAMES = (
-  _Named("current", CurrentScaling, _paired, _paired_fields),
-  _Named("delayed", DelayedScaling, _paired, _paired_fields),
-  _Named("rowwise", RowwiseScaling, _paired, _paired_fields),
-  _Named("block", BlockScaling, lambda r: (r.dtype, r.dtype), _block_fields),
-  _Named("mxfp8", Mxfp8Scaling, _paired, _paired_fields),
+  _Named("current", recipes.CurrentScaling, _paired, _paired_fields),
+  _Named("delayed", recipes.DelayedScaling, _paired, _paired_fields),
+  _Named("rowwise", recipes.RowwiseScaling, _paired, _paired_fields),
+  _Named("block", recipes.BlockScaling, lambda r: (r.dtype, r.dtype), _block_fields),
+  _Named("mxfp8", recipes.Mxfp8Scaling, _paired, _paired_fields),
 )
 _BY_NAME = {named.name: named for named in RECIPE_NAMES}
 _BY_CLASS = {named.cls: named for named in RECIPE_NAMES}
@@ -121,12 +114,13 @@ class Fp8Policy:
 
   >>> str(Fp8Policy(jl.get_policy("p=f32,c=bf16,o=f32")))
   'p=f32,c=bf16,o=f32,fp8=current'
-  >>> str(Fp8Policy(jl.get_policy("p=f32,c=bf16,o=f32"), DelayedScaling(bwd_dtype=E4M3)))
+  >>> delayed = jl.fp8.DelayedScaling(bwd_dtype=jl.fp8.E4M3)
+  >>> str(Fp8Policy(jl.get_policy("p=f32,c=bf16,o=f32"), delayed))
   'p=f32,c=bf16,o=f32,fp8=delayed:e4m3'
   """
 
   policy: Policy
-  config: Fp8Recipe | None = dataclasses.field(default_factory=CurrentScaling)
+  config: recipes.Fp8Recipe | None = dataclasses.field(default_factory=recipes.CurrentScaling)
 
   def __post_init__(self):
     if not isinstance(self.policy, Policy):
@@ -137,7 +131,7 @@ class Fp8Policy:
         "16/32-bit compute dtype for non-matmul ops and put the fp8 recipe in config."
       )
     if self.config is not None:
-      recipe = as_recipe(self.config)
+      recipe = recipes.as_recipe(self.config)
       _check_hashable(recipe)
       object.__setattr__(self, "config", recipe)
 
@@ -296,17 +290,18 @@ def get_fp8_policy(spec: str | Policy | Fp8Policy, **config_kwargs: Any) -> Fp8P
       )
     _check_options(type(recipe), config_kwargs, {}, spec)
     return dataclasses.replace(spec, config=dataclasses.replace(recipe, **config_kwargs))
+  _validation.check_type(
+    spec,
+    (Policy, str),
+    "get_fp8_policy expects a string such as 'p=f32,c=bf16,o=f32,fp8=current', a Policy or an "
+    "Fp8Policy",
+  )
   value: str | None = None
   if isinstance(spec, Policy):
     base = spec
-  elif isinstance(spec, str):
+  else:
     parsed = parse_spec(spec, fp8=True)
     base, value = policy_of(parsed, spec), parsed.values.get(FP8_KEY)
-  else:
-    raise TypeError(
-      "get_fp8_policy expects a string such as 'p=f32,c=bf16,o=f32,fp8=current', a Policy or an "
-      f"Fp8Policy, got {spec!r} of type {type(spec).__name__}."
-    )
   if dtypes.is_float8(base.compute_dtype):
     if value is not None:
       raise ValueError(

@@ -153,11 +153,9 @@ class MatmulRoofline:
 def _pattern(value: Any, name: str) -> str | type:
   if isinstance(value, type):
     return value
-  if not isinstance(value, str):
-    raise TypeError(
-      f"{name} takes regular expressions (str) on the module path and module classes; got "
-      f"{value!r} of type {type(value).__name__}."
-    )
+  _validation.check_type(
+    value, str, f"{name} takes regular expressions (str) on the module path and module classes"
+  )
   try:
     re.compile(value)
   except re.error as e:
@@ -168,11 +166,9 @@ def _pattern(value: Any, name: str) -> str | type:
 def _patterns(value: Any, name: str) -> tuple[str | type, ...]:
   if isinstance(value, (str, type)):
     value = (value,)
-  if not isinstance(value, Sequence):
-    raise TypeError(
-      f"{name} must be a regular expression, a module class or a sequence of them; got "
-      f"{value!r} of type {type(value).__name__}."
-    )
+  _validation.check_type(
+    value, Sequence, f"{name} must be a regular expression, a module class or a sequence of them"
+  )
   return tuple(_pattern(v, name) for v in value)
 
 
@@ -241,10 +237,12 @@ class Fp8Placement:
     object.__setattr__(self, "include", _patterns(self.include, "include"))
     object.__setattr__(self, "exclude", _patterns(self.exclude, "exclude"))
     _validation.check_bool(self.keep_first_last, "keep_first_last")
-    if self.shape_rule is not None and not isinstance(self.shape_rule, ShapeRule):
-      raise TypeError(
+    if self.shape_rule is not None:
+      _validation.check_type(
+        self.shape_rule,
+        ShapeRule,
         "shape_rule must be None or have a should_run(m, k, n) method (fp8.MatmulRoofline, "
-        f"fp8.ShapeRule), got {self.shape_rule!r} of type {type(self.shape_rule).__name__}."
+        "fp8.ShapeRule)",
       )
 
   @property
@@ -303,12 +301,12 @@ def as_placement(placement: Any) -> Fp8Placement:
   """
   if placement is None:
     return Fp8Placement()
-  if not isinstance(placement, Fp8Placement):
-    raise TypeError(
-      "placement must be an fp8.Fp8Placement (e.g. fp8.Fp8Placement(exclude='head'), "
-      f"fp8.ALL_LAYERS) or None, got {placement!r} of type {type(placement).__name__}."
-    )
-  return placement
+  return _validation.check_type(
+    placement,
+    Fp8Placement,
+    "placement must be an fp8.Fp8Placement (e.g. fp8.Fp8Placement(exclude='head'), "
+    "fp8.ALL_LAYERS) or None",
+  )
 
 
 def positions(calls: Sequence[tuple[str, Any]]) -> dict[str, str]:

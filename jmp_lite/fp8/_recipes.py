@@ -354,12 +354,12 @@ def as_recipe(recipe: Any) -> Any:
     return CurrentScaling()
   if type(recipe) is Fp8Config:
     return DelayedScaling(**{f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)})
-  if not isinstance(recipe, Fp8Recipe):
-    raise TypeError(
-      "config must be an fp8 recipe (fp8.CurrentScaling, fp8.DelayedScaling, an Fp8Config, or "
-      f"an object implementing fp8.Fp8Recipe), got {recipe!r} of type {type(recipe).__name__}."
-    )
-  return recipe
+  return _validation.check_type(
+    recipe,
+    Fp8Recipe,
+    "config must be an fp8 recipe (fp8.CurrentScaling, fp8.DelayedScaling, an Fp8Config, or "
+    "an object implementing fp8.Fp8Recipe)",
+  )
 
 
 def dot_general(
