@@ -27,7 +27,7 @@ applied one after the other cannot see each other's policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -39,6 +39,7 @@ from flax.core import FrozenDict, meta
 from jmp_lite._autocast import rewrite
 from jmp_lite._policy import Policy, cast_floating
 from jmp_lite._policy_scope import policy_scope
+from jmp_lite._tree_util import is_array
 from jmp_lite.flax import _explicit_dtypes as explicit_dtypes
 from jmp_lite.flax import _module_call as module_call
 from jmp_lite.flax import _module_policy as module_policy
@@ -253,6 +254,25 @@ def _discover(
   return owners, output_calls
 
 
+# Discoveries an apply function keeps, by the abstract signature of its arguments.
+_DISCOVERIES_KEPT = 16
+
+
+def _abstract_signature(tree: Any) -> Hashable | None:
+  """What a discovery depends on: the tree's structure, each array's type (shape, dtype,
+  sharding) and every other leaf's value; ``None`` if a leaf is unhashable."""
+  leaves, treedef = jax.tree.flatten(tree)
+  key = [treedef]
+  for leaf in leaves:
+    entry = jax.typeof(leaf) if is_array(leaf) else (type(leaf), leaf)
+    try:
+      hash(entry)
+    except TypeError:
+      return None
+    key.append(entry)
+  return tuple(key)
+
+
 def _cast_params(
   variables: Mapping[str, Any], owners: Mapping[tuple, np.dtype], policies: ModulePolicies
 ) -> Mapping[str, Any]:
@@ -287,6 +307,24 @@ def _restore_params(out: Any, params: Any, param_dtype: Any) -> Any:
 
 def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., Any]:
   model_ops = module_policy.rewrites_model_ops(policies)
+  # A discovery is one more trace of the model: repeated calls with arguments of the same
+  # types (eager calls, a step and its gradient, each retrace of a jit) reuse it.
+  discoveries: dict[Hashable, tuple[dict[tuple, np.dtype], frozenset]] = {}
+
+  def discover(variables, args, kwargs):
+    key = _abstract_signature((variables, args, kwargs))
+    if key is not None and key in discoveries:
+      return discoveries[key]
+    found = _discover(policies, lambda v: run(v, args, kwargs), variables)
+    if key is not None:
+      if len(discoveries) >= _DISCOVERIES_KEPT:
+        del discoveries[next(iter(discoveries))]
+      discoveries[key] = found
+    return found
+
+  def run(v, args, kwargs):
+    with policy_scope(policies.policy):  # marks the model's equations for jl.audit
+      return module.apply(v, *args, **kwargs)
 
   def apply_fn(variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
     if not isinstance(variables, Mapping):
@@ -295,17 +333,13 @@ def _make_apply(module: nn.Module, policies: ModulePolicies) -> Callable[..., An
         f"{type(variables).__name__}."
       )
 
-    def run(v, args, kwargs):
-      with policy_scope(policies.policy):  # marks the model's equations for jl.audit
-        return module.apply(v, *args, **kwargs)
-
     found: dict[str, explicit_dtypes.ExplicitDtype] = {}
     params = variables.get(_PARAMS)
     owners: dict[tuple, np.dtype] = {}
     output_calls: frozenset[module_call.CallKey] = frozenset()
     # Without parameters there is nothing to cast (e.g. a parameter-free model).
     if params is not None:
-      owners, output_calls = _discover(policies, lambda v: run(v, args, kwargs), variables)
+      owners, output_calls = discover(variables, args, kwargs)
 
     def call(v, args, kwargs):
       with nn.intercept_methods(_Interceptor(policies, None, found, output_calls)):

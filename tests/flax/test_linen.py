@@ -485,6 +485,37 @@ def test_only_the_call_computing_the_output_returns_the_output_dtype():
   assert rel_error(out, jit(model.apply)(variables, x)) < 0.02
 
 
+def test_a_discovery_is_reused_for_arguments_of_the_same_types():
+  # Finding the output layers traces the model once more; a call whose arguments have the
+  # types and static values of an earlier one reuses what that trace found, and a call with
+  # another flag or shape discovers again (here the flag swaps which head is the output).
+  traces: list = []
+
+  class TwoHeads(nn.Module):
+    @nn.compact
+    def __call__(self, x, first: bool):
+      traces.append(first)
+      h = nn.Dense(8, name="body")(x)
+      a, b = nn.Dense(3, name="a")(h), nn.Dense(3, name="b")(h)
+      return a if first else b
+
+  model, x = TwoHeads(), jax.random.normal(jax.random.key(1), (2, 4))
+  variables = model.init(jax.random.key(0), x, True)
+  apply = jlf.policy_apply(model, POLICY)
+  heads = lambda m, method: m.name in ("a", "b")
+  for flag, new_traces in ((True, 2), (True, 1), (False, 2), (True, 1), (False, 1)):
+    traces.clear()
+    out, state = apply(variables, x, flag, capture_intermediates=heads, mutable=["intermediates"])
+    assert len(traces) == new_traces, flag
+    # The output head returns fp32 straight from its matmul, the other one bf16.
+    (a,), (b,) = (state["intermediates"][n]["__call__"] for n in ("a", "b"))
+    assert (a.dtype, b.dtype) == ((F32, BF16) if flag else (BF16, F32)), flag
+    assert rel_error(out, model.apply(variables, x, flag)) < 0.02
+  traces.clear()
+  apply(variables, x[:1], True)  # another shape
+  assert len(traces) == 2
+
+
 def test_partitioned_params_keep_their_metadata():
   model = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.ones, (None, "model")))
   x = jnp.ones((2, 3))
