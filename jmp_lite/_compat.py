@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -146,19 +146,6 @@ def shape_dtype_struct(x: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(
     np.shape(x), jnp.result_type(x), sharding=aval.sharding, manual_axis_type=aval.manual_axis_type
   )
-
-
-def jit_cache_size(fn: Callable) -> int:
-  """How many programs a ``jax.jit`` function has traced and compiled (``fn._cache_size()``;
-  JAX has no public counter). Checked on JAX 0.10.2.
-
-  Args:
-    fn: a function returned by ``jax.jit``.
-
-  Returns:
-    The number of entries in its compilation cache.
-  """
-  return fn._cache_size()  # type: ignore[attr-defined]
 
 
 # JAX's source layout: the audit names the operation a derivative rule differentiates, and

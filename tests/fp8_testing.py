@@ -1,6 +1,7 @@
 """Shared values and helpers of the fp8 tests (tests/test_fp8_*.py)."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -8,6 +9,7 @@ import jmp_lite as jl
 from jmp_lite import fp8
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+F32 = jnp.float32
 FMT = {d: jl.FORMATS[d.name] for d in (E4M3, E5M2)}
 MATMUL = (((1,), (0,)), ((), ()))
 
@@ -95,3 +97,33 @@ def init_mlp_state(set_scales=False):
 def assert_close(a, b, rtol):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol), a, b)
+
+
+def dot_general_avals(recipe, x, w, g):
+  """(operand avals, result aval) of every dot_general in a recipe's matmul and its VJP."""
+
+  def run(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
+    return y, *vjp(g)
+
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(([v.aval for v in eqn.invars], eqn.outvars[0].aval))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(run)(x, w, g).jaxpr)
+  return found
+
+
+def extreme_rows(rng, shape, lo, hi):
+  """Normal values, each row (all axes but the last) times its own 2^u, u in [lo, hi)."""
+  scales = 2.0 ** rng.integers(lo, hi, (*shape[:-1], 1))
+  return np.float32(rng.standard_normal(shape) * scales)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import jmp_lite as jl
 
-from .test_autocast import census, hand_written, rel_err
+from .autocast_testing import census, hand_written, rel_err
 
 POLICY = jl.get_policy("params=float32,compute=bfloat16,output=float32")
 FP32_OPS = ("exp", "log", "log1p", "rsqrt", "sqrt", "logistic", "reduce_sum", "erf_inv", "pow")

@@ -158,16 +158,6 @@ def test_varying_axes_and_shape_dtype_struct_under_shard_map():
   np.testing.assert_array_equal(out, 2.0 * x + 1.0)
 
 
-def test_jit_cache_size_counts_compilations():
-  f = jax.jit(lambda x: x * 2)
-  assert _compat.jit_cache_size(f) == 0
-  f(jnp.ones(2))
-  f(jnp.ones(2) + 1)
-  assert _compat.jit_cache_size(f) == 1
-  f(jnp.ones(3))
-  assert _compat.jit_cache_size(f) == 2
-
-
 def test_jax_file_layout():
   jax_root = os.path.dirname(os.path.realpath(jax.__file__))
   named = {*_compat.JAX_PLUMBING, _compat.JAX_AD, _compat.JAX_CUSTOM_RULES}

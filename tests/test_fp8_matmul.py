@@ -6,6 +6,7 @@ import inspect
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -14,11 +15,12 @@ from jax import lax
 
 import jmp_lite as jl
 from jmp_lite import fp8
-from jmp_lite.fp8._matmul import DotOptions
+from jmp_lite.fp8._matmul import DotOptions, DotSpec, scale_for
 
 from .fp8_testing import (
   CONFIG,
   E4M3,
+  E5M2,
   MATMUL,
   assert_close,
   init_mlp_state,
@@ -290,6 +292,27 @@ def test_current_scaling_scopes_nest_and_stay_in_their_thread():
         assert pool.submit(traced, probe).result() == saturated  # delayed: saturated
   assert (outer.probed_ops, inner.probed_ops) == (2, 1)
   assert traced(probe) == saturated
+
+
+def _depends_on_input(jaxpr):
+  """Whether the closed jaxpr's (only) output is computed from its (only) input."""
+  reached = set(jaxpr.jaxpr.invars)
+  for eqn in jaxpr.jaxpr.eqns:
+    if any(v in reached for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
+      reached.update(eqn.outvars)
+  return jaxpr.jaxpr.outvars[0] in reached
+
+
+@pytest.mark.parametrize("first_step", ["own_amax", "calibrated"])
+def test_calibrated_delayed_scale_reads_nothing_of_the_tensor(first_step):
+  """The quantization's scale depends on the tensor's amax only under the default first step
+  (a select in every step); a calibrated state's scale is the state's."""
+  spec = DotSpec(
+    MATMUL, E4M3, E5M2, *(np.dtype(jnp.float32),) * 3, None, frozenset(), False, 0.0,
+    lax.Precision.HIGHEST, lax.Precision.HIGHEST, trust_state=first_step == "calibrated",
+  )  # fmt: skip
+  jaxpr = jax.make_jaxpr(lambda amax: scale_for(jnp.float32(0.5), amax, E4M3, spec))(1.0)
+  assert _depends_on_input(jaxpr) == (first_step == "own_amax")
 
 
 # Interaction with loss scaling ---------------------------------------------------------

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from jmp_lite import fp8
+from jmp_lite.fp8._placement import matmul_dims, positions
 
 H200 = {"f16": 989e12, "f8": 1979e12, "w": 4.8e12}
 
@@ -121,8 +122,6 @@ def test_bad_roofline_numbers_name_the_field(field, value, error):
 
 
 def test_first_and_last_layers_by_call_order_and_shared_inputs():
-  from jmp_lite.fp8._placement import positions
-
   x, h, y = jnp.ones(2), jnp.ones(3), jnp.ones(4)
   # q, k, v read the block's input: all three are first; two heads read the trunk: both last.
   calls = [("q", x), ("k", x), ("v", x), ("mlp", h), ("policy", y), ("value", y)]
@@ -138,7 +137,5 @@ def test_first_and_last_layers_by_call_order_and_shared_inputs():
 
 
 def test_matmul_dims_fold_batch_axes_into_m():
-  from jmp_lite.fp8._placement import matmul_dims
-
   assert matmul_dims((8, 16, 32), (32, 64), (((2,), (0,)), ((), ()))) == (128, 32, 64)
   assert matmul_dims((4, 8, 32), (4, 32, 64), (((2,), (1,)), ((0,), (0,)))) == (32, 32, 64)

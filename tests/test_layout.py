@@ -349,14 +349,18 @@ TEST_AND_BENCHMARK_FILES = sorted(
 )
 
 
-def test_tests_count_compilations_through_compat():
-  # jit's compilation counter is private: its one use is jmp_lite._compat.jit_cache_size.
+def test_traces_are_counted_without_jit_s_private_counter():
+  # jit's compilation counter (`_cache_size`) is private: tests, benchmarks, examples and the
+  # guides count traces with a Python counter in the traced function (it runs once per trace).
+  scripts = [*TEST_AND_BENCHMARK_FILES, *sorted((PACKAGE.parent / "examples").rglob("*.py"))]
   users = [
     str(path.relative_to(PACKAGE.parent))
-    for path in TEST_AND_BENCHMARK_FILES
+    for path in scripts
     if any(
       isinstance(node, ast.Attribute) and node.attr == "_cache_size"
       for node in ast.walk(ast.parse(path.read_text()))
     )
   ]
+  guides = sorted((PACKAGE.parent / "docs").rglob("*.md"))
+  users += [str(p.relative_to(PACKAGE.parent)) for p in guides if "._cache_size(" in p.read_text()]
   assert users == []
