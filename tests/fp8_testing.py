@@ -127,3 +127,18 @@ def extreme_rows(rng, shape, lo, hi):
   """Normal values, each row (all axes but the last) times its own 2^u, u in [lo, hi)."""
   scales = 2.0 ** rng.integers(lo, hi, (*shape[:-1], 1))
   return np.float32(rng.standard_normal(shape) * scales)
+
+
+def vjp_residuals(recipe, x, w):
+  """(dtype, shape) of each array a recipe's matmul saves for its VJP (traced, not run)."""
+  f = lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe)
+  saved = jax.eval_shape(lambda x, w: jax.vjp(f, x, w)[1], x, w)
+  return sorted((np.dtype(r.dtype).name, r.shape) for r in jax.tree.leaves(saved))
+
+
+def assert_bits_equal(got, want):
+  """The arrays hold the same bits (dtype, shape and every element's bit pattern)."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.dtype == want.dtype and got.shape == want.shape
+  bits = np.dtype(f"u{got.dtype.itemsize}")
+  np.testing.assert_array_equal(got.view(bits), want.view(bits))

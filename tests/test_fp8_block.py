@@ -17,8 +17,11 @@ from .fp8_testing import (
   E4M3,
   F32,
   MATMUL,
+  assert_bits_equal,
   dot_general_avals,
   extreme_rows,
+  value_and_vjp,
+  vjp_residuals,
 )
 
 
@@ -181,3 +184,40 @@ def test_block_gemms_are_one_row_tile_by_one_chunk(monkeypatch):
   assert sorted(out.shape for _, out in dots) == sorted(want)
   for operands, out in dots:
     assert [o.shape[-1] for o in operands] == [128, 128] and out.dtype == F32
+
+
+def requantizing_block_vjp(x, w, g):
+  """The output and both gradients with every product quantizing its high-precision operands
+  (the backward's from x and w, requantized), in the canonical form."""
+  t = lambda v: jnp.swapaxes(v, 1, 2)
+  a, b, g, bf16 = x[None], w.T[None], g[None], jnp.bfloat16
+  product = functools.partial(_block_module.block_product, dtype=E4M3, out_dtype=bf16)
+  product = functools.partial(product, precision=lax.Precision.HIGHEST)
+  y, da = product(a, b, 1, 128), product(g, t(b), 1, 128)
+  return y[0], da[0], product(t(g), t(a), 1, 1)[0].T
+
+
+@pytest.mark.parametrize("shape", [(40, 200, 130), (256, 128, 100)])
+def test_block_saves_fp8_residuals_and_gives_the_requantized_results(shape):
+  """The forward saves the weight's fp8 128 x 128 blocks (the backward transposes them) and
+  x's fp8 1 x 128 tiles along the tokens, with fp32 scales, and no high-precision operand;
+  the output and both gradients are bit for bit those of products that quantize x and w
+  again. M, K, N = 40, 200, 130 are padded. (K and N are both over 128 or both not: with a
+  single block along one of them only, XLA turns one layout's division by the broadcast scale
+  into a product with its reciprocal, and w's fp8 values in the two layouts may differ at a
+  rounding tie.)"""
+  m, k, n = shape
+  rng = np.random.default_rng(m)
+  x, w, g = (
+    jnp.asarray(extreme_rows(rng, s, lo, lo + 16), jnp.bfloat16)
+    for s, lo in (((m, k), -8), ((k, n), -8), ((m, n), -24))
+  )
+  pad = lambda v: -(-v // 128) * 128
+  assert vjp_residuals(fp8.BlockScaling(), x, w) == sorted([
+    ("float8_e4m3fn", (1, pad(n), pad(k))), ("float32", (1, pad(n) // 128, pad(k) // 128)),
+    ("float8_e4m3fn", (1, k, pad(m))), ("float32", (1, k, pad(m) // 128)),
+  ])  # fmt: skip
+  f = lambda x, w: fp8.dot_general(x, w, MATMUL, config=fp8.BlockScaling())
+  y, (dx, dw) = value_and_vjp(f, x, w, g)
+  for got, want in zip((y, dx, dw), jax.jit(requantizing_block_vjp)(x, w, g), strict=True):
+    assert_bits_equal(got, want)

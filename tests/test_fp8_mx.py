@@ -1,6 +1,8 @@
 """MXFP8 (jmp_lite/fp8/_mx.py): E8M0 scales per 32 elements, the emulated matmul against the
 format, bf16 dequantized operands, and the native path's support report."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,17 @@ import jmp_lite as jl
 from jmp_lite import fp8
 from jmp_lite.fp8._mx import e8m0_scales, mx_product, mx_quantize_dequantize
 
-from .fp8_testing import E4M3, E5M2, F32, MATMUL, dot_general_avals, extreme_rows
+from .fp8_testing import (
+  E4M3,
+  E5M2,
+  F32,
+  MATMUL,
+  assert_bits_equal,
+  dot_general_avals,
+  extreme_rows,
+  value_and_vjp,
+  vjp_residuals,
+)
 
 
 def test_e8m0_scales_round_up_per_32_elements():
@@ -159,3 +171,37 @@ def test_mxfp8_native_path_reports_whether_this_jax_compiles_it():
     assert not supported and "scaled_matmul" in reason
   with pytest.raises(ValueError, match="implementation"):
     fp8.Mxfp8Scaling(implementation="cudnn")
+
+
+def requantizing_mx_vjp(x, w, g):
+  """The output and both gradients (fwd E4M3, bwd E5M2) with every product quantizing its
+  high-precision operands (the backward's from x and w, requantized), in the canonical form."""
+  t = lambda v: jnp.swapaxes(v, 1, 2)
+  a, b, g = x[None], w.T[None], g[None]
+  product = functools.partial(mx_product, out_dtype=jnp.bfloat16)
+  y, da = product(a, b, E4M3, E4M3), product(g, t(b), E5M2, E4M3)
+  return y[0], da[0], product(t(g), t(a), E5M2, E4M3)[0].T
+
+
+@pytest.mark.parametrize("shape", [(40, 70, 50), (64, 32, 96)])
+def test_mxfp8_saves_fp8_residuals_and_gives_the_requantized_results(shape):
+  """The forward saves x^T and w^T in fp8, blocked along the tokens and along N (the
+  gradients' contractions), with E8M0 scales as uint8 exponents, and no high-precision
+  operand; the output and both gradients are bit for bit those of products that quantize x
+  and w again. M, K, N = 40, 70, 50 are padded."""
+  m, k, n = shape
+  rng = np.random.default_rng(m)
+  x, w, g = (
+    jnp.asarray(extreme_rows(rng, s, lo, lo + 16), jnp.bfloat16)
+    for s, lo in (((m, k), -8), ((k, n), -8), ((m, n), -24))
+  )
+  pad = lambda v: -(-v // 32) * 32
+  recipe = fp8.Mxfp8Scaling(bwd_dtype=E5M2)
+  assert vjp_residuals(recipe, x, w) == sorted([
+    ("float8_e4m3fn", (1, k, pad(m))), ("uint8", (1, k, pad(m) // 32)),
+    ("float8_e4m3fn", (1, k, pad(n))), ("uint8", (1, k, pad(n) // 32)),
+  ])  # fmt: skip
+  f = lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe)
+  y, (dx, dw) = value_and_vjp(f, x, w, g)
+  for got, want in zip((y, dx, dw), jax.jit(requantizing_mx_vjp)(x, w, g), strict=True):
+    assert_bits_equal(got, want)

@@ -18,6 +18,12 @@ that the fp32 arrays alive (one tile's sum and one chunk's product) stay small n
 output, which is written in its own dtype.
 K, M and N that are not multiples of the tiles are padded with zeros (exact: a zero adds
 nothing to a sum or to an amax).
+
+The residuals are fp8, quantized by the forward pass with their fp32 scales: the weight's
+128 x 128 blocks (transposed, the blocks of :math:`b^\top` that the input gradient reads) and
+``a`` in 1 x 128 tiles along the tokens (the weight gradient's contraction, a second
+quantization of ``a``). They are the values the backward pass would get by quantizing the
+high-precision operands along the same tiles.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from jmp_lite import _compat
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._quantize import quantize
-from jmp_lite.fp8._sharding import vary
+from jmp_lite.fp8._sharding import computed_together, vary
 
 TILE = 128
 
@@ -74,6 +80,13 @@ def _expand(scale: jax.Array, rows: int, cols: int) -> jax.Array:
   return jnp.repeat(jnp.repeat(scale, rows, axis=1), cols, axis=2)
 
 
+def quantize_tiles(x: jax.Array, rows: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+  """``x [B, R, K]`` padded to whole ``rows x 128`` tiles: its fp8 values and fp32 tile scales."""
+  x = _pad_to(_pad_to(x, 2, TILE), 1, rows)
+  scale = tile_scales(x, rows, dtype)
+  return quantize(x, _expand(scale, rows, TILE), dtype), scale
+
+
 # Output rows per step of the loop over row tiles: the fp32 sum of one tile is at most
 # ROW_TILE x N, however large M is.
 ROW_TILE = 1024
@@ -84,20 +97,29 @@ def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision, axes=()) ->
 
   ``axes``: ``shard_map`` axes K is split over, in whole tiles: the fp32 sums add over them.
   """
-  (batch, m, _), n = a.shape, b.shape[1]
-  a = _pad_to(_pad_to(a, 2, TILE), 1, a_rows)
-  b = _pad_to(_pad_to(b, 2, TILE), 1, b_rows)
-  s_a, s_b = tile_scales(a, a_rows, dtype), tile_scales(b, b_rows, dtype)
-  q_a = quantize(a, _expand(s_a, a_rows, TILE), dtype)
-  q_b = quantize(b, _expand(s_b, b_rows, TILE), dtype)
-  chunks, padded_n = a.shape[2] // TILE, b.shape[1]
+  q_a, q_b = quantize_tiles(a, a_rows, dtype), quantize_tiles(b, b_rows, dtype)
+  shape = (a.shape[1], b.shape[1])
+  return tiled_product(q_a, a_rows, q_b, b_rows, shape, out_dtype, precision, axes)
+
+
+def tiled_product(a, a_rows, b, b_rows, shape, out_dtype, precision, axes=()) -> jax.Array:
+  """The product of two quantized operands ``(q, scales)``, from :func:`quantize_tiles`.
+
+  ``shape``: the ``(M, N)`` of the result before padding.
+  """
+  (q_a, s_a), (q_b, s_b) = a, b
+  (batch, padded_m, padded_k), padded_n = q_a.shape, q_b.shape[1]
+  chunks = padded_k // TILE
   row_a = jnp.repeat(s_a, a_rows, axis=1)  # [B, M, C]
   row_b = jnp.repeat(s_b, b_rows, axis=1).transpose(2, 0, 1)[..., None, :]  # [C, B, 1, N]
   q_b = q_b.reshape(batch, padded_n, chunks, TILE).transpose(2, 0, 1, 3)  # [C, B, N, 128]
   # Rows in R tiles of T (padded with zero rows, whose products are zero and sliced off).
-  tiles = -(-a.shape[1] // ROW_TILE)
-  rows = -(-a.shape[1] // tiles)
+  tiles = -(-padded_m // ROW_TILE)
+  rows = -(-padded_m // tiles)
   q_a, row_a = _pad_to(q_a, 1, rows * tiles), _pad_to(row_a, 1, rows * tiles)
+  # Under shard_map the sum varies over the axes its operands do (a loop carry keeps its type).
+  varying = frozenset().union(*map(_compat.varying_axes, (q_a, q_b, row_a, row_b)))
+  out = _zero_output(row_a, row_b, out_dtype, varying, axes)  # [B, R * T, N]
   q_a = q_a.reshape(batch, tiles, rows, chunks, TILE).transpose(1, 3, 0, 2, 4)  # [R, C, B, T, 128]
   row_a = row_a.reshape(batch, tiles, rows, chunks).transpose(1, 3, 0, 2)[
     ..., None
@@ -111,26 +133,37 @@ def block_product(a, b, a_rows, b_rows, dtype, out_dtype, precision, axes=()) ->
     partial = lax.dot_general(q_a, q_b, dims, precision, preferred_element_type=F32)
     return acc + partial * row_a * row_b, None
 
-  def row_tile(_, tile):
+  def row_tile(i, out):
     # Loops keep one row tile's fp32 sum and one chunk's product alive, where a dot batched
     # over the chunks would write K / 128 fp32 products of the output's size.
-    q_a, row_a = tile
-    # Under shard_map the sum varies over the axes its operands do (a loop carry keeps its type).
-    varying = frozenset().union(*map(_compat.varying_axes, (q_a, q_b, row_a, row_b)))
     acc = vary(jnp.zeros((batch, rows, padded_n), F32), varying)
-    acc, _ = lax.scan(add_chunk, acc, (q_a, q_b, row_a, row_b))
-    return None, (lax.psum(acc, axes) if axes else acc).astype(out_dtype)
+    acc, _ = lax.scan(add_chunk, acc, (q_a[i], q_b, row_a[i], row_b))
+    acc = (lax.psum(acc, axes) if axes else acc).astype(out_dtype)
+    return lax.dynamic_update_slice_in_dim(out, acc, i * rows, axis=1)
 
-  _, out = lax.scan(row_tile, None, (q_a, row_a))  # [R, B, T, N]
-  out = out.transpose(1, 0, 2, 3).reshape(batch, tiles * rows, padded_n)
-  return out[:, :m, :n]
+  out = lax.fori_loop(0, tiles, row_tile, out)
+  return out[:, : shape[0], : shape[1]]
+
+
+def _zero_output(row_a, row_b, out_dtype, varying, axes) -> jax.Array:
+  """The zeros the loop over row tiles writes its tiles into, ``[B, M, N]``.
+
+  They are computed from the operands' scales (finite, so times 0 is 0): XLA hoists a constant
+  to the start of the program, where every product's output would then be allocated at once.
+  Summed over ``axes``, the output is invariant over them, which the scales are not: there it
+  is a constant.
+  """
+  if axes:
+    zeros = jnp.zeros((row_a.shape[0], row_a.shape[1], row_b.shape[-1]), out_dtype)
+    return vary(zeros, varying - set(axes))
+  zeros = ((row_a[..., :1] * 0) * (row_b[0] * 0)).astype(out_dtype)
+  return vary(zeros, varying - _compat.varying_axes(zeros))
 
 
 class BlockSpec(NamedTuple):
-  """The static part of one block-scaled matmul (canonical form)."""
+  """The static part of one block-scaled matmul (canonical form); weights in 128 x 128 blocks."""
 
   dtype: np.dtype
-  weight_rows: int  # 128: the weight's 128 x 128 blocks
   out_dtype: np.dtype
   a_dtype: np.dtype
   b_dtype: np.dtype
@@ -152,21 +185,37 @@ def check_local_tokens(tokens: int, tile: int, recipe: str, axes: tuple) -> None
 def block_matmul(a, b, spec: BlockSpec):
   """``[B, M, K] x [B, N, K] -> [B, M, N]``: 1 x 128 tiles for ``a``, blocks for ``b``."""
   check_local_tokens(a.shape[1], TILE, "BlockScaling", spec.row_axes)
-  return block_product(a, b, 1, spec.weight_rows, spec.dtype, spec.out_dtype, spec.precision)
+  return block_product(a, b, 1, TILE, spec.dtype, spec.out_dtype, spec.precision)
+
+
+def _t(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, 1, 2)
 
 
 def _fwd(a, b, spec):
-  return block_matmul(a, b, spec), (a, b)
+  check_local_tokens(a.shape[1], TILE, "BlockScaling", spec.row_axes)
+  # The residuals are what the backward's products read, quantized here from the same values
+  # along the same tiles: the weight's blocks, which transposed are the blocks of b^T; a in
+  # 1 x 128 tiles along the tokens. The barrier makes them the residuals: without it XLA may
+  # quantize again in the backward pass, keeping the high-precision operands alive instead.
+  q_b, q_at = lax.optimization_barrier(
+    (quantize_tiles(b, TILE, spec.dtype), quantize_tiles(_t(a), 1, spec.dtype))
+  )
+  q_a, shape = quantize_tiles(a, 1, spec.dtype), (a.shape[1], b.shape[1])
+  out = tiled_product(q_a, 1, q_b, TILE, shape, spec.out_dtype, spec.precision)
+  return out, (q_b, q_at)
 
 
 def _bwd(spec, residuals, g):
-  a, b = residuals
-  t = lambda x: jnp.swapaxes(x, 1, 2)
+  (q_b, s_b), q_at = residuals
+  (m, n), k = g.shape[1:], q_at[0].shape[1]
   # da = g . b^T: g in 1 x 128 tiles along N; the weight's 128 x 128 blocks, transposed.
-  da = block_product(g, t(b), 1, spec.weight_rows, spec.dtype, spec.a_dtype, spec.precision)
+  q_g = quantize_tiles(g, 1, spec.dtype)
+  da = tiled_product(q_g, 1, (_t(q_b), _t(s_b)), TILE, (m, k), spec.a_dtype, spec.precision)
   # db = g^T . a^T: both in 1 x 128 tiles along the tokens (128 x 1 in their own layout).
-  db = block_product(t(g), t(a), 1, 1, spec.dtype, spec.b_dtype, spec.precision, spec.row_axes)
-  return da, db
+  q_gt = quantize_tiles(_t(g), 1, spec.dtype)
+  db = tiled_product(q_gt, 1, q_at, 1, (n, k), spec.b_dtype, spec.precision, spec.row_axes)
+  return computed_together(da, db)
 
 
 block_matmul.defvjp(_fwd, _bwd)

@@ -13,6 +13,11 @@ two exactly: see :func:`mx_quantize_dequantize`) and sums the products in fp32: 
 numerics as a hardware MX GEMM that sums exactly in fp32. ``jax.nn.scaled_dot_general`` runs
 it natively where the installed JAX lowers it (Blackwell GPUs); :func:`native_support` says
 whether it does, and why not.
+
+The emulated path's residuals are fp8: the forward pass quantizes :math:`a^\top` and
+:math:`b^\top` along the gradients' contractions (the tokens, N) and saves them with their
+scales as E8M0 exponents (uint8), the values the backward pass would get by quantizing the
+high-precision operands.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._matmul import power_of_2_above
 from jmp_lite.fp8._quantize import quantize
+from jmp_lite.fp8._sharding import computed_together
 
 BLOCK = 32
 # E8M0 spans 2^-127..2^127; 2^-127 is a float32 subnormal, which XLA may flush to zero.
@@ -84,17 +90,40 @@ def _pad_k(x: jax.Array) -> jax.Array:
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)]) if extra else x
 
 
+def mx_quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+  r"""``x [..., K]`` padded to whole blocks: its fp8 values and E8M0 scales as uint8 exponents.
+
+  A scale :math:`2^e` (:math:`-126 \le e \le 127`) is stored as the biased exponent
+  :math:`e + 127`, the exponent field of its float32 value (and E8M0's encoding).
+  """
+  x = _pad_k(x)
+  scale = e8m0_scales(x, dtype)
+  q = quantize(x, jnp.repeat(scale, BLOCK, axis=-1), dtype)
+  return q, (lax.bitcast_convert_type(scale, jnp.uint32) >> 23).astype(jnp.uint8)
+
+
+def mx_dequantize(q: jax.Array, exponents: jax.Array) -> jax.Array:
+  """The bfloat16 values of :func:`mx_quantize`'s result (as :func:`mx_quantize_dequantize`)."""
+  scale = lax.bitcast_convert_type(exponents.astype(jnp.uint32) << 23, F32)
+  return (q.astype(F32) * jnp.repeat(scale, BLOCK, axis=-1)).astype(jnp.bfloat16)
+
+
+def _mx_dot(a, b, out_dtype, axes=()) -> jax.Array:
+  """``[B, M, K] x [B, N, K] -> [B, M, N]`` of dequantized bf16 operands, summed in fp32."""
+  dims = (((2,), (2,)), ((0,), (0,)))
+  # bf16 operands with an fp32 result: each product (at most 8 significant bits) is exact in
+  # fp32, as in an fp32 matmul of the same values, and the sums are fp32's.
+  out = lax.dot_general(a, b, dims, preferred_element_type=F32)
+  return (lax.psum(out, axes) if axes else out).astype(out_dtype)
+
+
 def mx_product(a, b, a_dtype, b_dtype, out_dtype, axes=()) -> jax.Array:
   """``[B, M, K] x [B, N, K] -> [B, M, N]``: MXFP8 operands, dequantized, summed in fp32.
 
   ``axes``: ``shard_map`` axes K is split over, in whole blocks: the fp32 sums add over them.
   """
   a, b = mx_quantize_dequantize(_pad_k(a), a_dtype), mx_quantize_dequantize(_pad_k(b), b_dtype)
-  dims = (((2,), (2,)), ((0,), (0,)))
-  # bf16 operands with an fp32 result: each product (at most 8 significant bits) is exact in
-  # fp32, as in an fp32 matmul of the same values, and the sums are fp32's.
-  out = lax.dot_general(a, b, dims, preferred_element_type=F32)
-  return (lax.psum(out, axes) if axes else out).astype(out_dtype)
+  return _mx_dot(a, b, out_dtype, axes)
 
 
 class MxSpec(NamedTuple):
@@ -108,28 +137,43 @@ class MxSpec(NamedTuple):
   row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
 
 
+def _check_local_tokens(tokens: int, axes: tuple) -> None:
+  if axes and tokens % BLOCK:
+    raise ValueError(
+      f"Mxfp8Scaling on explicit mesh axes {axes}: each device's tokens ({tokens}) must be a "
+      f"multiple of {BLOCK}, the weight gradient's blocks along the tokens, for the sharded "
+      "program to quantize as one device does."
+    )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def mx_matmul(a, b, spec: MxSpec):
   """The emulated MXFP8 matmul, each product's operands blocked along its own contraction."""
-  if spec.row_axes and a.shape[1] % BLOCK:
-    raise ValueError(
-      f"Mxfp8Scaling on explicit mesh axes {spec.row_axes}: each device's tokens "
-      f"({a.shape[1]}) must be a multiple of {BLOCK}, the weight gradient's blocks along the "
-      "tokens, for the sharded program to quantize as one device does."
-    )
+  _check_local_tokens(a.shape[1], spec.row_axes)
   return mx_product(a, b, spec.fwd_dtype, spec.fwd_dtype, spec.out_dtype)
 
 
+def _t(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, 1, 2)
+
+
 def _fwd(a, b, spec):
-  return mx_matmul(a, b, spec), (a, b)
+  # The residuals are the backward's operands, quantized here from the same values along the
+  # same blocks: a^T and b^T blocked along the tokens and along N. The barrier makes them the
+  # residuals: without it XLA may quantize again in the backward pass, keeping the
+  # high-precision operands alive instead.
+  residuals = lax.optimization_barrier(
+    (mx_quantize(_t(a), spec.fwd_dtype), mx_quantize(_t(b), spec.fwd_dtype))
+  )
+  return mx_matmul(a, b, spec), residuals
 
 
 def _bwd(spec, residuals, g):
-  a, b = residuals
-  t = lambda x: jnp.swapaxes(x, 1, 2)
-  da = mx_product(g, t(b), spec.bwd_dtype, spec.fwd_dtype, spec.a_dtype)
-  db = mx_product(t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, spec.b_dtype, spec.row_axes)
-  return da, db
+  at, bt = (mx_dequantize(*r) for r in residuals)
+  g_n, g_m = (mx_quantize_dequantize(_pad_k(x), spec.bwd_dtype) for x in (g, _t(g)))
+  da = _mx_dot(g_n, bt, spec.a_dtype)
+  db = _mx_dot(g_m, at, spec.b_dtype, spec.row_axes)
+  return computed_together(da, db)
 
 
 mx_matmul.defvjp(_fwd, _bwd)

@@ -22,7 +22,7 @@ from jmp_lite._fp8_config import (
   as_fp8_dtype,
   check_margin,
 )
-from jmp_lite.fp8._block import TILE, BlockSpec, block_matmul
+from jmp_lite.fp8._block import BlockSpec, block_matmul
 from jmp_lite.fp8._matmul import DotCall, check_call, per_tensor_dot
 from jmp_lite.fp8._mx import MxSpec, mx_matmul, native_matmul
 from jmp_lite.fp8._rowwise import RowwiseSpec, canonical_dot, rowwise_matmul
@@ -287,7 +287,7 @@ class BlockScaling(_Stateless):
   def _product(self, call: DotCall) -> jax.Array:
     """The block-scaled matmul of a call."""
     spec = BlockSpec(
-      self.dtype, TILE, call.out_dtype, call.lhs.dtype, call.rhs.dtype, jax.lax.Precision.HIGHEST
+      self.dtype, call.out_dtype, call.lhs.dtype, call.rhs.dtype, jax.lax.Precision.HIGHEST
     )
     return canonical_dot(call, lambda a, b, axes: block_matmul(a, b, spec._replace(row_axes=axes)))
 
@@ -303,8 +303,8 @@ class Mxfp8Scaling(_Stateless):
 
   rounded up, so a block's amax always fits (arXiv 2506.08027 found rounding up necessary;
   the OCP spec's conversion rounds down). Every product, the two gradients included, blocks
-  its operands along its own contraction, from the high-precision operands (the residuals).
-  No state; any loss scale.
+  its operands along its own contraction; the forward pass saves the input and the kernel in
+  fp8, blocked along the gradients' contractions. No state; any loss scale.
 
   Attributes:
     fwd_dtype: format of the input and kernel (default ``float8_e4m3fn``).

@@ -166,3 +166,17 @@ def split_axes(x: jax.Array, groups: tuple[int, ...], shape: list[int]) -> jax.A
   if kept != list(spec):
     x = jax.sharding.reshard(x, _named(x, kept))
   return lax.reshape(x, shape, out_sharding=_named(x, out))
+
+
+def computed_together(da: jax.Array, db: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two gradients of a matmul's backward, behind one barrier, so that XLA computes both
+  before either is used: the residuals and the output gradient they read are then freed at
+  once, not kept alive until the later of the two is scheduled.
+
+  Under ``shard_map`` a barrier gives its results the union of its operands' varying axes;
+  where the two gradients vary over different axes (the weight gradient summed over the
+  tokens' axes), they are returned as they are.
+  """
+  if _compat.varying_axes(da) != _compat.varying_axes(db):
+    return da, db
+  return lax.optimization_barrier((da, db))
