@@ -7,7 +7,7 @@ The comparison runs the LM's underflow scenario (a global batch of
 the three recipes whose relation the issue pins down: fp32, fp16 without
 loss scaling (measurably worse) and fp16 with a dynamic scale (matches fp32).
 A second comparison runs the opt-in low-precision-params group (bf16
-parameters, issue 16) and checks its outputs and the split's exactness.
+parameters) and checks its outputs and the split's exactness.
 """
 
 import dataclasses
@@ -279,7 +279,7 @@ def test_underflow_scenario(comparison):
   assert act["stats_at_dynamic_scale"]["head"]["underflow_fraction"] < 0.01
 
 
-# Pure 16-bit training (issue 16): the opt-in low-precision-params group.
+# Pure 16-bit training: the opt-in low-precision-params group.
 LOW_PRECISION = common.RECIPE_GROUPS["low-precision-params"]
 
 
