@@ -1,4 +1,4 @@
-"""One GPU run: issue 14's recipe table, fp8 against bf16 at three widths, a 16-bit matmul probe.
+"""One GPU run: the recipe table, fp8 against bf16 at three widths, a 16-bit matmul probe.
 
 Sections, run in this order (``--only`` picks some):
 

@@ -2,7 +2,7 @@
 
 Each round starts two fresh interpreters, one per import, in alternating order, and times the
 import inside them (``time.perf_counter`` around the import statement, so interpreter start-up
-is left out); the figure is the median of the per-round ratios. Issue 15's target: at most 1.3.
+is left out); the figure is the median of the per-round ratios. The target: at most 1.3.
 
   python -m benchmarks.import_time --rounds 21
 """

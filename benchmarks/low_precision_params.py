@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -401,21 +402,39 @@ def exactness_runs(
 
     return run
 
-  split_params = jl.cast_to_half(params)
-  # The split starts from the bf16 parameters (its low halves zero): so does the master it is
-  # compared with.
-  start = jax.tree.map(lambda x: x.astype(jnp.float32), split_params)
+  @functools.partial(jax.jit, compiler_options=options)  # one program, not one per leaf and op
+  def initial_states(params):
+    split_params = jl.cast_to_half(params)
+    # The split starts from the bf16 parameters (its low halves zero): so does the master it
+    # is compared with.
+    start = jax.tree.map(lambda x: x.astype(jnp.float32), split_params)
+    return {
+      "split": (split_params, split_tx.init(split_params)),
+      "view": (start, tx.init(start)),
+      "fp32_master": (params, tx.init(params)),
+    }
+
   steps = {
     "split": step(bf16_grads, split_update),
     "view": step(bf16_grads, fp32_update, view_of),
     "fp32_master": step(fp32_grads, fp32_update),
   }
-  states = {
-    "split": (split_params, split_tx.init(split_params)),
-    "view": (start, tx.init(start)),
-    "fp32_master": (params, tx.init(params)),
+  terms = {"split": bf16_terms, "view": bf16_terms, "fp32_master": fp32_terms}
+  return steps, initial_states(params), terms
+
+
+@jax.jit
+def _final(split_params: Any, split_state: Any, view_master: Any) -> dict[str, Any]:
+  """What each run's model reads, and how far the split's master is from the view's."""
+  master = jl.master_params(split_params, split_state)
+  view = split_view(view_master)
+  pairs = zip(jax.tree.leaves(master), jax.tree.leaves(view_master), strict=True)
+  largest = [jnp.max(jnp.abs(a - b)) for a, b in pairs]
+  return {
+    "view": view,
+    "differing_view_elements": differing(split_params, view),
+    "max_abs_difference": jnp.max(jnp.stack(largest)),
   }
-  return steps, states, {"split": bf16_terms, "view": bf16_terms, "fp32_master": fp32_terms}
 
 
 def exactness(
@@ -442,13 +461,9 @@ def exactness(
   seconds = time.perf_counter() - t0
 
   split_params, split_state = states["split"]
-  master, view_master = jl.master_params(split_params, split_state), states["view"][0]
+  final = _final(split_params, split_state, states["view"][0])
   # What each run's model reads (its parameters under its policy).
-  view = {
-    "split": split_params,
-    "view": split_view(view_master),
-    "fp32_master": states["fp32_master"][0],
-  }
+  view = {"split": split_params, "view": final["view"], "fp32_master": states["fp32_master"][0]}
   counts = [int(c) for c in counts]
   tail = min(TAIL, steps)
   return {
@@ -457,11 +472,8 @@ def exactness(
     "param_elements": sum(int(p.size) for p in jax.tree.leaves(params)),
     "differing_elements": counts[-1],
     "steps_with_differences": {i: c for i, c in enumerate(counts) if c},
-    "differing_view_elements": int(differing(view["split"], view["view"])),
-    "max_abs_difference": max(
-      float(jnp.max(jnp.abs(a - b)))
-      for a, b in zip(jax.tree.leaves(master), jax.tree.leaves(view_master), strict=True)
-    ),
+    "differing_view_elements": int(final["differing_view_elements"]),
+    "max_abs_difference": float(final["max_abs_difference"]),
     "inexact": int(split_state.inexact),
     "runs": {
       name: {

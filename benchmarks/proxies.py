@@ -41,7 +41,7 @@ the branch a GPU runs), a ``while`` body once. An equation that calls a nested
 jaxpr is counted through that jaxpr's equations, not by its own outputs. (4)
 counts each collective of the HLO text once.
 
-Ratios are to ``flax_bf16``. Targets for ``jmp_lite`` (issue 14): matmul
+Ratios are to ``flax_bf16``. Targets for ``jmp_lite``: matmul
 outputs, residuals and collectives at most 1.0x, all intermediates at most
 1.15x (the fp32 softmax and LayerNorm islands, no more), each judged after
 taking out exactly what :func:`deliberate_fp32` names (fp32 logits from the

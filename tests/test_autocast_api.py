@@ -42,7 +42,8 @@ def test_non_floating_leaves_pass_through():
     ({"overrides": {"exp": "fp32"}}, ValueError, r"overrides\['exp'\] = 'fp32'"),
     ({"table": ["exp"]}, TypeError, "table must be a mapping"),
     ({"scopes": {"(": "float32"}}, ValueError, "not a regular expression"),
-    ({"scopes": {"head": "float31"}}, ValueError, "float31"),
+    ({"scopes": {"head": "float31"}}, ValueError, r"scopes\['head'\]: .*float31"),
+    ({"scopes": ["head"]}, TypeError, "scopes must map name-scope patterns to dtypes"),
   ],
 )
 def test_bad_arguments_raise_naming_the_part(kwargs, error, match):

@@ -7,7 +7,7 @@ The comparison runs the LM's underflow scenario (a global batch of
 the three recipes whose relation the issue pins down: fp32, fp16 without
 loss scaling (measurably worse) and fp16 with a dynamic scale (matches fp32).
 A second comparison runs the opt-in low-precision-params group (bf16
-parameters, issue 16) and checks its outputs and the split's exactness.
+parameters) and checks its outputs and the split's exactness.
 """
 
 import dataclasses
@@ -27,6 +27,8 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 from examples import charlm, common, compare, digits, low_precision
+
+from .autocast_testing import census
 
 QUICK = ["--quick", "--no-progress"]
 
@@ -277,7 +279,7 @@ def test_underflow_scenario(comparison):
   assert act["stats_at_dynamic_scale"]["head"]["underflow_fraction"] < 0.01
 
 
-# Pure 16-bit training (issue 16): the opt-in low-precision-params group.
+# Pure 16-bit training: the opt-in low-precision-params group.
 LOW_PRECISION = common.RECIPE_GROUPS["low-precision-params"]
 
 
@@ -373,25 +375,6 @@ def test_split_loses_no_update(low_precision_run):
 
 
 # The Equinox and Haiku examples, each against the fp32 run of the same script.
-def _census(closed) -> dict[str, set[str]]:
-  """Primitive name -> the dtypes of its floating operands, nested jaxprs included."""
-  from jmp_lite import _jaxpr
-
-  found: dict[str, set[str]] = {}
-
-  def visit(jaxpr):
-    for eqn in jaxpr.eqns:
-      for atom in eqn.invars:
-        dtype = _jaxpr.dtype_of(atom)
-        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-          found.setdefault(eqn.primitive.name, set()).add(dtype.name)
-      for sub in _jaxpr.sub_jaxprs(eqn):
-        visit(sub.jaxpr)
-
-  visit(closed.jaxpr)
-  return found
-
-
 def _dynamic_trajectory(first: float, skipped: list[int], steps: int, period: int) -> list[float]:
   """jl.DynamicLossScale's scale per step from its first one and the skipped steps: halved
   after a skipped step, doubled after `period` finite steps in a row (hysteresis 1)."""
@@ -503,7 +486,7 @@ def test_haiku_example_runs_matmuls_in_bf16_and_statistics_in_fp32():
   closed = jax.make_jaxpr(jl.autocast(model.apply, policy), static_argnums=3)(
     params, None, x, False
   )
-  found = _census(closed)
+  found = census(closed)
   assert found["conv_general_dilated"] == found["dot_general"] == {"bfloat16"}
   assert found["reduce_sum"] == found["rsqrt"] == {"float32"}  # the LayerNorm's statistics
   assert closed.out_avals[0].dtype == jnp.float32

@@ -719,7 +719,7 @@ def deep_fp16_mlp(p, x, y):
 
 
 def _deep_fp16_mlp(depth, seed=0):
-  """Issue 13's network: tanh layers of width 48, one stage per layer, fp16 compute.
+  """A deep fp16 network: tanh layers of width 48, one stage per layer, fp16 compute.
 
   Its gradients shrink by about 2^-1.3 per layer, so at one scale for all stages
   the deep ones fall below fp16's normal range. The loss is a module-level function, so that

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _dtypes
 from jmp_lite._autocast import _modules, _table
 from jmp_lite._autocast._interpret import FULL_PRECISION_SCOPE, Config, Value
 from jmp_lite._autocast._program import evaluate
@@ -29,19 +28,11 @@ def _as_policy(policy: Any) -> Policy:
   raise TypeError(f"policy must be a jmp_lite.Policy or a policy string, got {policy!r}.")
 
 
-def _scopes(scopes: Any) -> tuple[tuple[re.Pattern, np.dtype], ...]:
-  if scopes is None:
-    return ()
-  if not isinstance(scopes, Mapping):
-    raise TypeError(f"scopes must map name-scope patterns to dtypes, got {scopes!r}.")
-  out = []
-  for pattern, dtype in scopes.items():
-    try:
-      compiled = re.compile(pattern)
-    except (re.error, TypeError) as e:
-      raise ValueError(f"scopes: {pattern!r} is not a regular expression ({e}).") from None
-    out.append((compiled, np.dtype(_dtypes.parse_dtype(dtype))))
-  return tuple(out)
+def _pattern(pattern: Any) -> re.Pattern:
+  try:
+    return re.compile(pattern)
+  except (re.error, TypeError) as e:
+    raise ValueError(f"scopes: {pattern!r} is not a regular expression ({e}).") from None
 
 
 def _is_array(x: Any) -> bool:
@@ -99,7 +90,8 @@ def autocast(
   policy = _as_policy(policy)
   rules = _table.check_table(_table.AUTOCAST_TABLE if table is None else table, "table")
   rules.update(_table.check_table({} if overrides is None else overrides, "overrides"))
-  config = Config(np.dtype(policy.compute_dtype), rules, _scopes(scopes))
+  scope_rules = _modules.dtype_rules(scopes, "scopes", "name-scope patterns", _pattern)
+  config = Config(np.dtype(policy.compute_dtype), rules, scope_rules)
   output = np.dtype(policy.output_dtype)
   module_rules = _modules.check_modules(modules)
 

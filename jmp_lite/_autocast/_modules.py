@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -35,36 +35,50 @@ _STRIP_RE = re.compile(_SCOPE_RE.pattern + "/?")
 Rules = tuple[tuple[type, np.dtype], ...]
 
 
-def check_modules(modules: Any) -> Rules:
-  """``modules`` as ``((class, dtype), ...)``, checked.
+def dtype_rules(value: Any, argument: str, keys: str, check_key: Callable[[Any], Any]) -> tuple:
+  """A mapping of keys to dtypes as ``((check_key(key), dtype), ...)``, in its order, checked.
 
   Args:
-    modules: a mapping of classes to dtypes (names or dtype-like objects), or None.
+    value: the mapping, or None (no rules).
+    argument: the argument's name, for the errors.
+    keys: what the keys are, for the errors (``"module classes"``).
+    check_key: returns the key's rule form, or raises naming the key.
 
   Returns:
-    The pairs, in the mapping's order.
+    The pairs, each dtype a ``np.dtype``.
 
   Raises:
-    TypeError: for a mapping whose key is not a class, or for something not a mapping.
+    TypeError: for something not a mapping, or a dtype of a kind no policy takes.
     ValueError: for a dtype name that is not one.
   """
-  if modules is None:
+  if value is None:
     return ()
-  if not isinstance(modules, Mapping):
-    raise TypeError(f"modules must map module classes to dtypes, got {modules!r}.")
+  if not isinstance(value, Mapping):
+    raise TypeError(f"{argument} must map {keys} to dtypes, got {value!r}.")
   out = []
-  for cls, dtype in modules.items():
-    if not isinstance(cls, type):
-      raise TypeError(
-        f"modules: keys are module classes (such as eqx.nn.LayerNorm), got {cls!r}; "
-        "for module names (Flax, Haiku) use scopes=."
-      )
+  for key, dtype in value.items():
+    checked = check_key(key)
     try:
       parsed = np.dtype(_dtypes.parse_dtype(dtype))
     except (TypeError, ValueError) as e:
-      raise type(e)(f"modules[{cls.__qualname__}]: {e}") from None
-    out.append((cls, parsed))
+      label = key.__qualname__ if isinstance(key, type) else repr(key)
+      raise type(e)(f"{argument}[{label}]: {e}") from None
+    out.append((checked, parsed))
   return tuple(out)
+
+
+def _module_class(cls: Any) -> type:
+  if not isinstance(cls, type):
+    raise TypeError(
+      f"modules: keys are module classes (such as eqx.nn.LayerNorm), got {cls!r}; "
+      "for module names (Flax, Haiku) use scopes=."
+    )
+  return cls
+
+
+def check_modules(modules: Any) -> Rules:
+  """``modules`` (a mapping of classes to dtypes, or None) as ``((class, dtype), ...)``."""
+  return dtype_rules(modules, "modules", "module classes", _module_class)
 
 
 def scope_name(cls: type, dtype: np.dtype) -> str:

@@ -60,7 +60,7 @@ def _flax_softmax(x, axis, where):
 
 
 # --------------------------------------------------------------------------------------------
-# The fully masked row (issue 13): uniform output, zero gradient.
+# The fully masked row: uniform output, zero gradient.
 
 
 @jit

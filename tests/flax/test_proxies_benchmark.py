@@ -1,4 +1,4 @@
-"""The CPU proxies of GPU cost (benchmarks/proxies.py): its counters and issue 14's targets."""
+"""The CPU proxies of GPU cost (benchmarks/proxies.py): its counters and its targets."""
 
 import json
 import math
@@ -135,7 +135,7 @@ def test_quick_run_measures_against_references(quick):
 
 
 def test_quick_run_meets_the_targets(quick):
-  # Issue 14: matmul outputs, residuals, collectives <= 1.0x Flax bf16; all intermediates <= 1.15x.
+  # Matmul outputs, residuals, collectives <= 1.0x Flax bf16; all intermediates <= 1.15x.
   assert quick["targets"] == proxies.TARGETS
   assert quick["ratios"]["flax_bf16"] == dict.fromkeys(proxies.TARGETS, 1.0)
   # Judged after taking out the two deliberate fp32 choices, and only those: the

@@ -286,14 +286,12 @@ def nnx_fp8(
 
   Args:
     model: the NNX model.
-    fp8_spec: an fp8 recipe (default :class:`~jmp_lite.fp8.CurrentScaling`;
-      an :class:`~jmp_lite.fp8.Fp8Config` is delayed scaling), an
-      :class:`~jmp_lite.fp8.Fp8Policy`, or a policy string such as
-      ``"p=f32,c=bf16,o=f32,fp8=current"``. A policy without fp8 leaves the
-      model as it is.
-    placement: which layers run in fp8 (:class:`~jmp_lite.fp8.Fp8Placement`;
-      default ``Fp8Placement()``: not the first and last matmul layers, nor
-      matmuls too small to pay, decided at each call from its shape).
+    fp8_spec: the recipe, in any form :func:`~jmp_lite.flax.fp8.linen_interceptor`
+      takes (default :class:`~jmp_lite.fp8.CurrentScaling`). A policy without
+      fp8 leaves the model as it is.
+    placement: which layers run in fp8, as in
+      :func:`~jmp_lite.flax.fp8.linen_interceptor`; whether a matmul is too
+      small to pay is decided at each call from its shape.
     example_call: ``example_call(model)`` calls the model as training does
       (``lambda model: model(x)``); run once abstractly to find the first and
       last matmul layers. Required while ``placement.keep_first_last``.
