@@ -40,7 +40,7 @@ from jmp_lite import _compat
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._quantize import quantize
-from jmp_lite.fp8._sharding import computed_together, vary
+from jmp_lite.fp8._sharding import check_local_tokens, computed_together, vary
 
 TILE = 128
 
@@ -169,16 +169,6 @@ class BlockSpec(NamedTuple):
   b_dtype: np.dtype
   precision: Any
   row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
-
-
-def check_local_tokens(tokens: int, tile: int, recipe: str, axes: tuple) -> None:
-  """Raises unless each device's share of the tokens is whole tiles of the weight gradient."""
-  if axes and tokens % tile:
-    raise ValueError(
-      f"{recipe} on explicit mesh axes {axes}: each device's tokens ({tokens}) must be a "
-      f"multiple of {tile}, the weight gradient's tiles along the tokens, for the sharded "
-      "program to quantize as one device does."
-    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

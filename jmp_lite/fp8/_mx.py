@@ -34,7 +34,7 @@ from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
 from jmp_lite.fp8._matmul import power_of_2_above
 from jmp_lite.fp8._quantize import quantize
-from jmp_lite.fp8._sharding import computed_together
+from jmp_lite.fp8._sharding import check_local_tokens, computed_together
 
 BLOCK = 32
 # E8M0 spans 2^-127..2^127; 2^-127 is a float32 subnormal, which XLA may flush to zero.
@@ -137,19 +137,10 @@ class MxSpec(NamedTuple):
   row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
 
 
-def _check_local_tokens(tokens: int, axes: tuple) -> None:
-  if axes and tokens % BLOCK:
-    raise ValueError(
-      f"Mxfp8Scaling on explicit mesh axes {axes}: each device's tokens ({tokens}) must be a "
-      f"multiple of {BLOCK}, the weight gradient's blocks along the tokens, for the sharded "
-      "program to quantize as one device does."
-    )
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def mx_matmul(a, b, spec: MxSpec):
   """The emulated MXFP8 matmul, each product's operands blocked along its own contraction."""
-  _check_local_tokens(a.shape[1], spec.row_axes)
+  check_local_tokens(a.shape[1], BLOCK, "Mxfp8Scaling", spec.row_axes)
   return mx_product(a, b, spec.fwd_dtype, spec.fwd_dtype, spec.out_dtype)
 
 

@@ -180,3 +180,14 @@ def computed_together(da: jax.Array, db: jax.Array) -> tuple[jax.Array, jax.Arra
   if _compat.varying_axes(da) != _compat.varying_axes(db):
     return da, db
   return lax.optimization_barrier((da, db))
+
+
+def check_local_tokens(tokens: int, tile: int, recipe: str, axes: tuple) -> None:
+  """Raises unless each device's share of the tokens is whole tiles (blocks) of the weight
+  gradient: a tile split across devices would be quantized with two scales."""
+  if axes and tokens % tile:
+    raise ValueError(
+      f"{recipe} on explicit mesh axes {axes}: each device's tokens ({tokens}) must be a "
+      f"multiple of {tile}, the weight gradient's tiles along the tokens, for the sharded "
+      "program to quantize as one device does."
+    )
