@@ -1,5 +1,6 @@
 """fp8 recipes (jmp_lite/fp8/_recipes.py): current scaling (the default), delayed scaling's
-first step, the protocol and its checks, every recipe under sharding and through the policy."""
+first step, the protocol and its checks, every recipe under sharding, through the policy
+and with an inf in any operand."""
 
 import functools
 
@@ -255,6 +256,29 @@ STATELESS = {
   "block": fp8.BlockScaling(),
   "mxfp8": fp8.Mxfp8Scaling(),
 }
+
+
+@pytest.mark.parametrize("name", [*STATELESS, "rowwise_gw_hp"])
+def test_an_inf_reaches_every_result_that_reads_it_and_no_other(name):
+  """No recipe loses a non-finite value: an inf in the input, the kernel or the output gradient
+  makes each of y, dx and dw that depends on it non-finite (a loss scale then skips the step),
+  and leaves the others finite."""
+  recipe = STATELESS.get(name, fp8.RowwiseScaling(weight_grad="compute_dtype"))
+  rng = np.random.default_rng(3)
+  x, w, g = normal(rng, (16, 130)), normal(rng, (130, 8)), normal(rng, (16, 8))
+
+  @jax.jit
+  def run(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
+    return y, *vjp(g)
+
+  assert all(np.isfinite(r).all() for r in run(x, w, g))
+  reads = {"x": ("y", "dw"), "w": ("y", "dx"), "g": ("dx", "dw")}
+  for bad, operand in (("x", x), ("w", w), ("g", g)):
+    args = {"x": x, "w": w, "g": g, bad: operand.at[1, 2].set(np.inf)}
+    results = dict(zip(("y", "dx", "dw"), run(**args), strict=True))
+    for result, value in results.items():
+      assert np.isfinite(value).all() != (result in reads[bad]), (bad, result)
 
 
 @pytest.mark.parametrize("name", STATELESS)

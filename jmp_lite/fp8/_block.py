@@ -22,8 +22,10 @@ nothing to a sum or to an amax).
 The residuals are fp8, quantized by the forward pass with their fp32 scales: the weight's
 128 x 128 blocks (transposed, the blocks of :math:`b^\top` that the input gradient reads) and
 ``a`` in 1 x 128 tiles along the tokens (the weight gradient's contraction, a second
-quantization of ``a``). They are the values the backward pass would get by quantizing the
-high-precision operands along the same tiles.
+quantization of ``a``), along the same tiles as the backward pass would quantize the
+high-precision operands. The fp8 values are the same, except that XLA may compute a tile's
+``x / scale`` as ``x * (1 / scale)`` in one layout and not in the other, which can move a
+value at a rounding tie; quantized once, the forward and backward passes read the same weight.
 """
 
 from __future__ import annotations
@@ -150,14 +152,15 @@ def _zero_output(row_a, row_b, out_dtype, varying, axes) -> jax.Array:
 
   They are computed from the operands' scales (finite, so times 0 is 0): XLA hoists a constant
   to the start of the program, where every product's output would then be allocated at once.
-  Summed over ``axes``, the output is invariant over them, which the scales are not: there it
-  is a constant.
+  Summed over ``axes``, the output is invariant over them, which the scales are not: there the
+  zeros come from one scale summed over ``axes`` (a scalar all-reduce).
   """
+  shape = (row_a.shape[0], row_a.shape[1], row_b.shape[-1])
   if axes:
-    zeros = jnp.zeros((row_a.shape[0], row_a.shape[1], row_b.shape[-1]), out_dtype)
-    return vary(zeros, varying - set(axes))
-  zeros = ((row_a[..., :1] * 0) * (row_b[0] * 0)).astype(out_dtype)
-  return vary(zeros, varying - _compat.varying_axes(zeros))
+    zeros = jnp.broadcast_to(lax.psum(row_a[0, 0, 0] * 0, axes), shape).astype(out_dtype)
+  else:
+    zeros = ((row_a[..., :1] * 0) * (row_b[0] * 0)).astype(out_dtype)
+  return vary(zeros, varying - set(axes) - _compat.varying_axes(zeros))
 
 
 class BlockSpec(NamedTuple):

@@ -99,6 +99,7 @@ def mx_quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   x = _pad_k(x)
   scale = e8m0_scales(x, dtype)
   q = quantize(x, jnp.repeat(scale, BLOCK, axis=-1), dtype)
+  # A normal power of two has an all-zero significand: its bits are the exponent field alone.
   return q, (lax.bitcast_convert_type(scale, jnp.uint32) >> 23).astype(jnp.uint8)
 
 
