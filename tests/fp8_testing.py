@@ -44,6 +44,17 @@ def value_and_vjp(f, x, k, g):
   return run(x, k, g)
 
 
+def recipe_vjp(recipe):
+  """A compiled ``(x, w, g) -> (y, dx, dw)``: the recipe's ``fp8.dot_general`` and its VJP."""
+
+  @jax.jit
+  def run(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
+    return y, *vjp(g)
+
+  return run
+
+
 def small_integers(shape, seed, high):
   """Values that both fp8 formats hold exactly, so fp8 matmuls are exact."""
   return jnp.asarray(np.random.default_rng(seed).integers(-high, high + 1, shape), jnp.float32)
@@ -142,3 +153,12 @@ def assert_bits_equal(got, want):
   assert got.dtype == want.dtype and got.shape == want.shape
   bits = np.dtype(f"u{got.dtype.itemsize}")
   np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+def bf16_operands(rng, m, k, n):
+  """bf16 ``x [m, k]``, ``w [k, n]`` and an output gradient ``g [m, n]`` with rows spread over
+  2^16 (``g`` 2^-16 smaller), for the recipes' bit-exactness checks."""
+  return tuple(
+    jnp.asarray(extreme_rows(rng, s, lo, lo + 16), jnp.bfloat16)
+    for s, lo in (((m, k), -8), ((k, n), -8), ((m, n), -24))
+  )

@@ -18,6 +18,7 @@ from .fp8_testing import (
   F32,
   MATMUL,
   assert_bits_equal,
+  bf16_operands,
   dot_general_avals,
   extreme_rows,
   value_and_vjp,
@@ -208,10 +209,7 @@ def test_block_saves_fp8_residuals_and_gives_the_requantized_results(shape):
   rounding tie.)"""
   m, k, n = shape
   rng = np.random.default_rng(m)
-  x, w, g = (
-    jnp.asarray(extreme_rows(rng, s, lo, lo + 16), jnp.bfloat16)
-    for s, lo in (((m, k), -8), ((k, n), -8), ((m, n), -24))
-  )
+  x, w, g = bf16_operands(rng, m, k, n)
   pad = lambda v: -(-v // 128) * 128
   assert vjp_residuals(fp8.BlockScaling(), x, w) == sorted([
     ("float8_e4m3fn", (1, pad(n), pad(k))), ("float32", (1, pad(n) // 128, pad(k) // 128)),

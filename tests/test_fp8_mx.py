@@ -19,6 +19,7 @@ from .fp8_testing import (
   F32,
   MATMUL,
   assert_bits_equal,
+  bf16_operands,
   dot_general_avals,
   extreme_rows,
   value_and_vjp,
@@ -191,10 +192,7 @@ def test_mxfp8_saves_fp8_residuals_and_gives_the_requantized_results(shape):
   and w again. M, K, N = 40, 70, 50 are padded."""
   m, k, n = shape
   rng = np.random.default_rng(m)
-  x, w, g = (
-    jnp.asarray(extreme_rows(rng, s, lo, lo + 16), jnp.bfloat16)
-    for s, lo in (((m, k), -8), ((k, n), -8), ((m, n), -24))
-  )
+  x, w, g = bf16_operands(rng, m, k, n)
   pad = lambda v: -(-v // 32) * 32
   recipe = fp8.Mxfp8Scaling(bwd_dtype=E5M2)
   assert vjp_residuals(recipe, x, w) == sorted([

@@ -18,6 +18,7 @@ from .fp8_testing import (
   E5M2,
   MATMUL,
   normal,
+  recipe_vjp,
 )
 
 TINY = 2.0**-20  # at a scale of 1, output gradients this small are under E5M2's 2^-16
@@ -105,13 +106,7 @@ def test_current_scaling_quantizes_each_tensor_with_its_own_amax(power_of_2):
   rng = np.random.default_rng(3)
   x, k, g = normal(rng, (6, 8), 300.0), normal(rng, (8, 4), 1e-3), normal(rng, (6, 4), 1e-7)
   recipe = fp8.CurrentScaling(power_of_2=power_of_2)
-  f = lambda x, k: fp8.dot_general(x, k, MATMUL, config=recipe)
-
-  @jax.jit
-  def run(x, k, g):
-    y, vjp = jax.vjp(f, x, k)
-    return y, *vjp(g)
-
+  run = recipe_vjp(recipe)
   want_y, want_dx, want_dk, scales = jax.jit(reference_current, static_argnums=(3, 4))(
     x, k, g, (E4M3, E4M3, E5M2), power_of_2
   )
@@ -266,11 +261,7 @@ def test_an_inf_reaches_every_result_that_reads_it_and_no_other(name):
   recipe = STATELESS.get(name, fp8.RowwiseScaling(weight_grad="compute_dtype"))
   rng = np.random.default_rng(3)
   x, w, g = normal(rng, (16, 130)), normal(rng, (130, 8)), normal(rng, (16, 8))
-
-  @jax.jit
-  def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
-    return y, *vjp(g)
+  run = recipe_vjp(recipe)
 
   assert all(np.isfinite(r).all() for r in run(x, w, g))
   reads = {"x": ("y", "dw"), "w": ("y", "dx"), "g": ("dx", "dw")}
@@ -292,11 +283,7 @@ def test_stateless_recipes_under_fsdp_style_sharded_jit(name):
   mesh = jax.make_mesh((8,), ("data",), devices=jax.devices(), axis_types=(AxisType.Auto,))
   rng = np.random.default_rng(10)
   x, w, g = normal(rng, (16, 256)), normal(rng, (256, 8)), normal(rng, (16, 8))
-
-  @jax.jit
-  def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, MATMUL, config=recipe), x, w)
-    return y, *vjp(g)
+  run = recipe_vjp(recipe)
 
   want = run(x, w, g)
   shard = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
