@@ -36,6 +36,7 @@ from jmp_lite._dtypes import (
 )
 from jmp_lite._loss_scale import (
   DynamicLossScale,
+  GradOptions,
   LossScale,
   NoOpLossScale,
   ScaledGrads,
@@ -88,6 +89,7 @@ __all__ = (
   # Loss scales
   "LossScale",
   "ScaledGrads",
+  "GradOptions",
   "NoOpLossScale",
   "StaticLossScale",
   "DynamicLossScale",

@@ -16,14 +16,14 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _tree_util
-from jmp_lite._loss_scale import STATIC, LossScale, is_loss_scale
+from jmp_lite._loss_scale import STATIC, GradOptions, LossScale, is_loss_scale
 from jmp_lite._transform import is_loss_scaling_state, loss_scaling_states
 
 
@@ -89,14 +89,16 @@ class _ProbeScale:
   def adjust(self, grads_finite: jax.Array) -> _ProbeScale:
     return dataclasses.replace(self, inner=self.inner.adjust(grads_finite))
 
-  def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False, **kwargs: Any):
+  def value_and_grad(self, fun: Callable[..., Any], **options: Unpack[GradOptions]):
+    has_aux = options.get("has_aux", False)
+
     def scaled_fun(*args, **kw):
       out = fun(*args, **kw)
       value, aux = out if has_aux else (out, None)
       scaled = value * jnp.asarray(self.factor, jnp.result_type(value))
       return (scaled, aux) if has_aux else scaled
 
-    grad_fn = self.inner.value_and_grad(scaled_fun, has_aux=has_aux, **kwargs)
+    grad_fn = self.inner.value_and_grad(scaled_fun, **options)
 
     def value_and_scaled_grad(*args, **kw):
       out, grads = grad_fn(*args, **kw)

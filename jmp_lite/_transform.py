@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jmp_lite import _tree_util
-from jmp_lite._loss_scale import LossScale, ValueAndGradTransform, is_loss_scale
+from jmp_lite._loss_scale import GradOptions, LossScale, is_loss_scale
 
 
 class LossScalingState(NamedTuple):
@@ -294,12 +294,7 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 
 
 def scaled_value_and_grad(
-  fun: Callable[..., Any],
-  loss_scale: Any,
-  *,
-  has_aux: bool = False,
-  argnums: Any = None,
-  value_and_grad: ValueAndGradTransform = jax.value_and_grad,
+  fun: Callable[..., Any], loss_scale: Any, **options: Unpack[GradOptions]
 ) -> Callable[..., tuple[Any, Any]]:
   """Like :func:`jax.value_and_grad`, differentiating ``loss_scale * fun``.
 
@@ -307,14 +302,12 @@ def scaled_value_and_grad(
     fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
     loss_scale: a loss scale, or an optimizer state containing one (see
       :func:`get_loss_scale`).
-    has_aux: as in :func:`jax.value_and_grad`.
-    argnums: as in :func:`jax.value_and_grad`, in the form ``value_and_grad``
-      takes; passed to it only when given (default: its own default, the
-      first argument).
-    value_and_grad: the differentiation transform (default
-      :func:`jax.value_and_grad`); ``eqx.filter_value_and_grad`` differentiates
-      the floating-point arrays of an Equinox module and leaves its other
-      leaves (functions, integers) alone.
+    **options: ``has_aux``, ``argnums``, ``value_and_grad``
+      (:class:`GradOptions`), passed to the loss scale's
+      :meth:`~LossScale.value_and_grad`. With
+      ``value_and_grad=eqx.filter_value_and_grad``, the floating-point arrays
+      of an Equinox module are differentiated and its other leaves
+      (functions, integers) left alone.
 
   Returns:
     A function with ``fun``'s signature returning ``(value, scaled_grads)``:
@@ -326,8 +319,7 @@ def scaled_value_and_grad(
   Raises:
     TypeError: when a differentiated leaf is not a floating-point array
       (``jax.value_and_grad`` of an Equinox module's functions or integers):
-      the error names each such leaf by its path.
+      the error names each such leaf by its path; for a keyword that is no
+      :class:`GradOptions` field.
   """
-  return get_loss_scale(loss_scale).value_and_grad(
-    fun, has_aux=has_aux, argnums=argnums, value_and_grad=value_and_grad
-  )
+  return get_loss_scale(loss_scale).value_and_grad(fun, **options)

@@ -577,6 +577,37 @@ def test_every_kind_answers_every_contract_method(scale):
   assert not bool(finite)
 
 
+@pytest.mark.parametrize("scale", KINDS, ids=lambda s: type(s).__name__)
+def test_every_kind_takes_the_grad_options_by_keyword_and_refuses_others(scale):
+  # has_aux, argnums and value_and_grad (jl.GradOptions) mean what they mean for
+  # jax.value_and_grad, through the loss scale's method and through jl.scaled_value_and_grad;
+  # a misspelt option is a TypeError naming it, not ignored.
+  params = {"w": jnp.asarray([1.0, -2.0]), "b": jnp.asarray(0.5)}
+  loss_fn = lambda x, p: (jnp.sum(p["w"] * x) + p["b"] ** 2, x)
+  x = jnp.asarray([3.0, 0.25])
+  calls = []
+
+  def transform(fun, **kwargs):
+    calls.append(kwargs)
+    return jax.value_and_grad(fun, **kwargs)
+
+  options = jl.GradOptions(has_aux=True, argnums=1, value_and_grad=transform)
+  for grad_fn in (
+    scale.value_and_grad(loss_fn, **options),
+    jl.scaled_value_and_grad(loss_fn, scale, **options),
+  ):
+    (value, aux), scaled = grad_fn(x, params)
+    assert float(value) == float(loss_fn(x, params)[0]) and aux is x
+    true = jax.grad(lambda p: loss_fn(x, p)[0])(params)
+    np.testing.assert_array_equal(scale.unscale(scaled)["w"], true["w"])
+  assert len(calls) == 2 and all(c["has_aux"] is True for c in calls)
+  for bad in ({"has_axu": True}, {"has_aux": True, "argnum": 0}):
+    with pytest.raises(TypeError, match=f"unexpected keyword arguments \\['{[*bad][-1]}'\\]"):
+      scale.value_and_grad(loss_fn, **bad)
+    with pytest.raises(TypeError, match="takes has_aux, argnums and value_and_grad"):
+      jl.scaled_value_and_grad(loss_fn, scale, **bad)
+
+
 def test_the_protocol_has_no_runtime_check_and_recognition_evaluates_no_property():
   with pytest.raises(TypeError, match="runtime_checkable"):
     isinstance(jl.NoOpLossScale(), jl.LossScale)

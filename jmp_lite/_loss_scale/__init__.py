@@ -25,6 +25,7 @@ and ``_dynamic``.
 
 from jmp_lite._loss_scale._contract import (
   STATIC,
+  GradOptions,
   LossScale,
   ScaledGrads,
   ValueAndGradTransform,
@@ -35,11 +36,13 @@ from jmp_lite._loss_scale._contract import (
 from jmp_lite._loss_scale._dynamic import DynamicLossScale
 from jmp_lite._loss_scale._finiteness import all_finite, combine_across, select_tree
 from jmp_lite._loss_scale._fixed import NoOpLossScale, StaticLossScale
-from jmp_lite._loss_scale._grad import UserCall, grad_of_scaled_loss
+from jmp_lite._loss_scale._grad import Differentiation, UserCall, grad_of_scaled_loss
 
 __all__ = (
   "STATIC",
+  "Differentiation",
   "DynamicLossScale",
+  "GradOptions",
   "LossScale",
   "NoOpLossScale",
   "ScaledGrads",

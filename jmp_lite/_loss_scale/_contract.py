@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol, Self, TypeVar
+from typing import Any, NamedTuple, Protocol, Self, TypedDict, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,31 @@ T = TypeVar("T")
 # A differentiation transform with `jax.value_and_grad`'s signature (`fun, argnums, has_aux`),
 # e.g. `flax.nnx.value_and_grad`.
 ValueAndGradTransform = Callable[..., Callable[..., Any]]
+
+
+class GradOptions(TypedDict, total=False):
+  """The keyword options of every loss scale's ``value_and_grad``, each optional.
+
+  :meth:`LossScale.value_and_grad` and :func:`jmp_lite.scaled_value_and_grad`
+  take them as keywords, e.g. ``scale.value_and_grad(loss_fn, has_aux=True)``.
+
+  Attributes:
+    has_aux: ``fun`` returns ``(loss, aux)``, as in :func:`jax.value_and_grad`
+      (default False).
+    argnums: which argument(s) to differentiate, in the form that
+      ``value_and_grad`` takes (e.g. an ``nnx.DiffState`` for
+      :func:`flax.nnx.value_and_grad`). Absent or ``None`` (default): not
+      passed, so the transform's own default applies (the first argument), and
+      transforms that take no ``argnums`` (``eqx.filter_value_and_grad``) work.
+    value_and_grad: the differentiation transform, with
+      :func:`jax.value_and_grad`'s signature (``fun, argnums, has_aux``;
+      ``argnums`` only when given); default :func:`jax.value_and_grad`.
+  """
+
+  has_aux: bool
+  argnums: Any
+  value_and_grad: ValueAndGradTransform
+
 
 STATIC: Mapping[str, bool] = types.MappingProxyType({"static": True})
 """Field metadata for :func:`jax.tree_util.register_dataclass`: static pytree data.
@@ -180,27 +205,14 @@ class LossScale(Protocol):
     ...
 
   def value_and_grad(
-    self,
-    fun: Callable[..., Any],
-    *,
-    has_aux: bool = False,
-    argnums: Any = None,
-    value_and_grad: ValueAndGradTransform = jax.value_and_grad,
+    self, fun: Callable[..., Any], **options: Unpack[GradOptions]
   ) -> Callable[..., tuple[Any, Any]]:
     """Like ``value_and_grad(fun)``, with the gradients of the scaled loss.
 
     Args:
       fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
-      has_aux: as in :func:`jax.value_and_grad`.
-      argnums: which argument(s) to differentiate, in the form that
-        ``value_and_grad`` takes (e.g. an ``nnx.DiffState`` for
-        :func:`flax.nnx.value_and_grad`). ``None`` (default): not passed, so
-        the transform's own default applies (the first argument), and
-        transforms that take no ``argnums`` (``eqx.filter_value_and_grad``)
-        work.
-      value_and_grad: the differentiation transform, with
-        :func:`jax.value_and_grad`'s signature (``fun, argnums, has_aux``;
-        ``argnums`` only when given).
+      **options: ``has_aux``, ``argnums``, ``value_and_grad``: see
+        :class:`GradOptions`.
 
     Returns:
       A function with ``fun``'s signature returning ``(value, scaled_grads)``:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _tree_util, _validation
-from jmp_lite._loss_scale._contract import ScaledGrads, ValueAndGradTransform, checked_field
+from jmp_lite._loss_scale._contract import GradOptions, ScaledGrads, checked_field
 from jmp_lite._loss_scale._finiteness import combine_across, unscaled_all_finite
-from jmp_lite._loss_scale._grad import grad_of_scaled_loss
+from jmp_lite._loss_scale._grad import Differentiation, grad_of_scaled_loss
 
 T = TypeVar("T")
 
@@ -51,16 +51,9 @@ class OneScale:
     return self.loss_scale
 
   def value_and_grad(
-    self: Any,
-    fun: Callable[..., Any],
-    *,
-    has_aux: bool = False,
-    argnums: Any = None,
-    value_and_grad: ValueAndGradTransform = jax.value_and_grad,
+    self: Any, fun: Callable[..., Any], **options: Unpack[GradOptions]
   ) -> Callable[..., tuple[Any, Any]]:
-    return grad_of_scaled_loss(
-      fun, self.scale, has_aux=has_aux, argnums=argnums, value_and_grad=value_and_grad
-    )
+    return grad_of_scaled_loss(fun, self.scale, **Differentiation.of(options)._asdict())
 
   def scale(self: Any, tree: T) -> T:
     """Multiplies the floating leaves of ``tree`` by ``loss_scale``.

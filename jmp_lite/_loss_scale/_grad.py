@@ -3,14 +3,43 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._loss_scale._contract import ValueAndGradTransform
+from jmp_lite._loss_scale._contract import GradOptions, ValueAndGradTransform
+
+
+class Differentiation(NamedTuple):
+  """A loss scale's :class:`GradOptions`, checked, each set or at its default."""
+
+  has_aux: bool = False
+  argnums: Any = None
+  value_and_grad: ValueAndGradTransform = jax.value_and_grad
+
+  @classmethod
+  def of(cls, options: Mapping[str, Any]) -> Differentiation:
+    """The options a ``value_and_grad`` was given, checked.
+
+    Args:
+      options: its keyword arguments besides ``fun``.
+
+    Returns:
+      The :class:`Differentiation` they ask for.
+
+    Raises:
+      TypeError: for a keyword that is no :class:`GradOptions` field.
+    """
+    unknown = sorted(set(options) - set(GradOptions.__optional_keys__))
+    if unknown:
+      raise TypeError(
+        f"value_and_grad got unexpected keyword arguments {unknown}; a loss scale's "
+        "value_and_grad takes has_aux, argnums and value_and_grad (jmp_lite.GradOptions)."
+      )
+    return cls(**options)
 
 
 class UserCall(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,10 @@ import numpy as np
 from jmp_lite import _tree_util, _validation
 from jmp_lite._loss_scale import (
   STATIC,
+  Differentiation,
+  GradOptions,
   ScaledGrads,
   UserCall,
-  ValueAndGradTransform,
   checked_field,
   grad_of_scaled_loss,
 )
@@ -181,26 +182,22 @@ class LayerwiseLossScale:
     return dataclasses.replace(self, scales=_checked_scales(self, scales))
 
   def value_and_grad(
-    self,
-    fun: Callable[..., Any],
-    *,
-    has_aux: bool = False,
-    argnums: Any = None,
-    value_and_grad: ValueAndGradTransform = jax.value_and_grad,
+    self, fun: Callable[..., Any], **options: Unpack[GradOptions]
   ) -> Callable[..., tuple[Any, ScaledGrads]]:
     """Gradients with stage ``k`` at scale ``S_k``, plus the boundary statistics.
 
     Args:
       fun: returns a loss (``(loss, aux)`` with ``has_aux``); its
         :func:`stage_boundary` calls mark the stages.
-      has_aux, value_and_grad: as in :meth:`jmp_lite.LossScale.value_and_grad`.
-      argnums: the one argument to differentiate (``None``: the first).
+      **options: as in :meth:`jmp_lite.LossScale.value_and_grad`
+        (:class:`~jmp_lite.GradOptions`), with ``argnums`` one argument
+        (``None``: the first).
 
     Returns:
       A function with ``fun``'s signature returning ``(value, grads)``, ``grads``
       a :class:`~jmp_lite.ScaledGrads` with the boundaries' :class:`BoundaryStats`.
     """
-    return _value_and_grad(self, fun, has_aux, argnums, value_and_grad)
+    return _value_and_grad(self, fun, Differentiation.of(options))
 
   def unscale_and_adjust(
     self, scaled_grads: Any, params: Any = None, *, axis_name: Any = None
@@ -244,13 +241,10 @@ _ONE_SCALE_GRADS = (
 
 
 def _value_and_grad(
-  scale: LayerwiseLossScale,
-  fun: Callable[..., Any],
-  has_aux: bool,
-  argnums: Any,
-  value_and_grad: ValueAndGradTransform,
+  scale: LayerwiseLossScale, fun: Callable[..., Any], how: Differentiation
 ) -> Callable[..., tuple[Any, ScaledGrads]]:
   """:meth:`LayerwiseLossScale.value_and_grad`: the loss at ``S_{K-1}``, the boundaries active."""
+  has_aux, argnums, value_and_grad = how
   if isinstance(argnums, (tuple, list)) or isinstance(argnums, bool):
     raise TypeError(
       f"Layer-wise loss scaling differentiates one argument (the params); got argnums={argnums!r}."
