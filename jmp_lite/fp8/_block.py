@@ -1,6 +1,6 @@
 r"""Block scaling as DeepSeek-V3 trains: fp32 scales per tile, fp32 sums every 128 of K (private).
 
-In the canonical form ``[B, M, K] x [B, N, K] -> [B, M, N]`` (see ``_rowwise``), activations
+In the canonical form ``[B, M, K] x [B, N, K] -> [B, M, N]`` (see ``_canonical``), activations
 and gradients get one scale per 1 x 128 tile (a row, 128 elements of the contraction), weights
 one per 128 x 128 block, each the tile's amax over E4M3's largest value, in fp32. With
 :math:`c` indexing the 128-wide chunks of K,
@@ -41,6 +41,7 @@ from jax import lax
 from jmp_lite import _compat
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
+from jmp_lite.fp8._canonical import Results
 from jmp_lite.fp8._quantize import quantize
 from jmp_lite.fp8._sharding import check_local_tokens, computed_together, vary
 
@@ -164,29 +165,25 @@ def _zero_output(row_a, row_b, out_dtype, varying, axes) -> jax.Array:
 
 
 class BlockSpec(NamedTuple):
-  """The static part of one block-scaled matmul (canonical form); weights in 128 x 128 blocks."""
+  """The recipe's static config of one block-scaled matmul; weights in 128 x 128 blocks."""
 
   dtype: np.dtype
-  out_dtype: np.dtype
-  a_dtype: np.dtype
-  b_dtype: np.dtype
   precision: Any
-  row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def block_matmul(a, b, spec: BlockSpec):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def block_matmul(a, b, spec: BlockSpec, results: Results):
   """``[B, M, K] x [B, N, K] -> [B, M, N]``: 1 x 128 tiles for ``a``, blocks for ``b``."""
-  check_local_tokens(a.shape[1], TILE, "BlockScaling", spec.row_axes)
-  return block_product(a, b, 1, TILE, spec.dtype, spec.out_dtype, spec.precision)
+  check_local_tokens(a.shape[1], TILE, "BlockScaling", results.row_axes)
+  return block_product(a, b, 1, TILE, spec.dtype, results.out_dtype, spec.precision)
 
 
 def _t(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 1, 2)
 
 
-def _fwd(a, b, spec):
-  check_local_tokens(a.shape[1], TILE, "BlockScaling", spec.row_axes)
+def _fwd(a, b, spec, results):
+  check_local_tokens(a.shape[1], TILE, "BlockScaling", results.row_axes)
   # The residuals are what the backward's products read, quantized here from the same values
   # along the same tiles: the weight's blocks, which transposed are the blocks of b^T; a in
   # 1 x 128 tiles along the tokens. The barrier makes them the residuals: without it XLA may
@@ -195,19 +192,19 @@ def _fwd(a, b, spec):
     (quantize_tiles(b, TILE, spec.dtype), quantize_tiles(_t(a), 1, spec.dtype))
   )
   q_a, shape = quantize_tiles(a, 1, spec.dtype), (a.shape[1], b.shape[1])
-  out = tiled_product(q_a, 1, q_b, TILE, shape, spec.out_dtype, spec.precision)
+  out = tiled_product(q_a, 1, q_b, TILE, shape, results.out_dtype, spec.precision)
   return out, (q_b, q_at)
 
 
-def _bwd(spec, residuals, g):
+def _bwd(spec, results, residuals, g):
   (q_b, s_b), q_at = residuals
   (m, n), k = g.shape[1:], q_at[0].shape[1]
   # da = g . b^T: g in 1 x 128 tiles along N; the weight's 128 x 128 blocks, transposed.
   q_g = quantize_tiles(g, 1, spec.dtype)
-  da = tiled_product(q_g, 1, (_t(q_b), _t(s_b)), TILE, (m, k), spec.a_dtype, spec.precision)
+  da = tiled_product(q_g, 1, (_t(q_b), _t(s_b)), TILE, (m, k), results.a_dtype, spec.precision)
   # db = g^T . a^T: both in 1 x 128 tiles along the tokens (128 x 1 in their own layout).
   q_gt = quantize_tiles(_t(g), 1, spec.dtype)
-  db = tiled_product(q_gt, 1, q_at, 1, (n, k), spec.b_dtype, spec.precision, spec.row_axes)
+  db = tiled_product(q_gt, 1, q_at, 1, (n, k), results.b_dtype, spec.precision, results.row_axes)
   return computed_together(da, db)
 
 

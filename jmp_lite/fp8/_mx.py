@@ -1,6 +1,6 @@
 r"""MXFP8: 32-element blocks along the contraction, E8M0 (power-of-two) scales rounded up (private).
 
-In the canonical form ``[B, M, K] x [B, N, K]`` (see ``_rowwise``), every operand of every
+In the canonical form ``[B, M, K] x [B, N, K]`` (see ``_canonical``), every operand of every
 product (forward, input gradient, weight gradient) gets one scale per 32 consecutive elements of
 its contraction,
 
@@ -32,6 +32,7 @@ from jax import lax
 
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
+from jmp_lite.fp8._canonical import Results
 from jmp_lite.fp8._matmul import power_of_2_above
 from jmp_lite.fp8._quantize import quantize
 from jmp_lite.fp8._sharding import check_local_tokens, computed_together
@@ -128,28 +129,24 @@ def mx_product(a, b, a_dtype, b_dtype, out_dtype, axes=()) -> jax.Array:
 
 
 class MxSpec(NamedTuple):
-  """The static part of one emulated MXFP8 matmul (canonical form)."""
+  """The recipe's static config of one emulated MXFP8 matmul (canonical form)."""
 
   fwd_dtype: np.dtype
   bwd_dtype: np.dtype
-  out_dtype: np.dtype
-  a_dtype: np.dtype
-  b_dtype: np.dtype
-  row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def mx_matmul(a, b, spec: MxSpec):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def mx_matmul(a, b, spec: MxSpec, results: Results):
   """The emulated MXFP8 matmul, each product's operands blocked along its own contraction."""
-  check_local_tokens(a.shape[1], BLOCK, "Mxfp8Scaling", spec.row_axes)
-  return mx_product(a, b, spec.fwd_dtype, spec.fwd_dtype, spec.out_dtype)
+  check_local_tokens(a.shape[1], BLOCK, "Mxfp8Scaling", results.row_axes)
+  return mx_product(a, b, spec.fwd_dtype, spec.fwd_dtype, results.out_dtype)
 
 
 def _t(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 1, 2)
 
 
-def _fwd(a, b, spec):
+def _fwd(a, b, spec, results):
   # The residuals are the backward's operands, quantized here from the same values along the
   # same blocks: a^T and b^T blocked along the tokens and along N. The barrier makes them the
   # residuals: without it XLA may quantize again in the backward pass, keeping the
@@ -157,14 +154,14 @@ def _fwd(a, b, spec):
   residuals = lax.optimization_barrier(
     (mx_quantize(_t(a), spec.fwd_dtype), mx_quantize(_t(b), spec.fwd_dtype))
   )
-  return mx_matmul(a, b, spec), residuals
+  return mx_matmul(a, b, spec, results), residuals
 
 
-def _bwd(spec, residuals, g):
+def _bwd(spec, results, residuals, g):
   at, bt = (mx_dequantize(*r) for r in residuals)
   g_n, g_m = (mx_quantize_dequantize(_pad_k(x), spec.bwd_dtype) for x in (g, _t(g)))
-  da = _mx_dot(g_n, bt, spec.a_dtype)
-  db = _mx_dot(g_m, at, spec.b_dtype, spec.row_axes)
+  da = _mx_dot(g_n, bt, results.a_dtype)
+  db = _mx_dot(g_m, at, results.b_dtype, results.row_axes)
   return computed_together(da, db)
 
 

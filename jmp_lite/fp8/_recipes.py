@@ -23,9 +23,10 @@ from jmp_lite._fp8_config import (
   check_margin,
 )
 from jmp_lite.fp8._block import BlockSpec, block_matmul
+from jmp_lite.fp8._canonical import canonical_dot
 from jmp_lite.fp8._matmul import DotCall, check_call, per_tensor_dot
 from jmp_lite.fp8._mx import MxSpec, mx_matmul, native_matmul
-from jmp_lite.fp8._rowwise import RowwiseSpec, canonical_dot, rowwise_matmul
+from jmp_lite.fp8._rowwise import RowwiseSpec, rowwise_matmul
 from jmp_lite.fp8._scaling import Fp8DotAmax, Fp8DotState, init_dot_state
 
 
@@ -245,18 +246,9 @@ class RowwiseScaling(_Stateless):
   def _product(self, call: DotCall) -> jax.Array:
     """The row-wise matmul of a call."""
     fast = self.fast_accumulation != "none"
-    spec = RowwiseSpec(
-      self.fwd_dtype,
-      self.bwd_dtype,
-      self.weight_grad == "fp8",
-      call.out_dtype,
-      call.lhs.dtype,
-      call.rhs.dtype,
-      jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST,
-    )
-    return canonical_dot(
-      call, lambda a, b, axes: rowwise_matmul(a, b, spec._replace(row_axes=axes))
-    )
+    precision = jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST
+    spec = RowwiseSpec(self.fwd_dtype, self.bwd_dtype, self.weight_grad == "fp8", precision)
+    return canonical_dot(call, lambda a, b, results: rowwise_matmul(a, b, spec, results))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,10 +278,8 @@ class BlockScaling(_Stateless):
 
   def _product(self, call: DotCall) -> jax.Array:
     """The block-scaled matmul of a call."""
-    spec = BlockSpec(
-      self.dtype, call.out_dtype, call.lhs.dtype, call.rhs.dtype, jax.lax.Precision.HIGHEST
-    )
-    return canonical_dot(call, lambda a, b, axes: block_matmul(a, b, spec._replace(row_axes=axes)))
+    spec = BlockSpec(self.dtype, jax.lax.Precision.HIGHEST)
+    return canonical_dot(call, lambda a, b, results: block_matmul(a, b, spec, results))
 
 
 MX_IMPLEMENTATIONS = ("emulated", "scaled_dot_general")
@@ -332,9 +322,9 @@ class Mxfp8Scaling(_Stateless):
   def _product(self, call: DotCall) -> jax.Array:
     """The MXFP8 matmul of a call."""
     if self.implementation == "scaled_dot_general":
-      return canonical_dot(call, lambda a, b, axes: native_matmul(a, b, call.out_dtype))
-    spec = MxSpec(self.fwd_dtype, self.bwd_dtype, call.out_dtype, call.lhs.dtype, call.rhs.dtype)
-    return canonical_dot(call, lambda a, b, axes: mx_matmul(a, b, spec._replace(row_axes=axes)))
+      return canonical_dot(call, lambda a, b, results: native_matmul(a, b, results.out_dtype))
+    spec = MxSpec(self.fwd_dtype, self.bwd_dtype)
+    return canonical_dot(call, lambda a, b, results: mx_matmul(a, b, spec, results))
 
 
 def as_recipe(recipe: Any) -> Any:

@@ -30,9 +30,9 @@ from jax import lax
 
 from jmp_lite import _dtypes as dtypes
 from jmp_lite._fp8_config import F32
+from jmp_lite.fp8._canonical import Results
 from jmp_lite.fp8._matmul import power_of_2_above
 from jmp_lite.fp8._quantize import quantize
-from jmp_lite.fp8._sharding import merge_axes, rows_local, split_axes
 
 
 def row_scales(x: jax.Array, dtype: Any, axes: tuple = ()) -> jax.Array:
@@ -103,67 +103,40 @@ def _rowwise_product(a, b, a_dtype, b_dtype, out_dtype, precision, axes=()) -> j
 
 
 class RowwiseSpec(NamedTuple):
-  """The static part of one row-wise matmul (canonical form)."""
+  """The recipe's static config of one row-wise matmul (canonical form)."""
 
   fwd_dtype: np.dtype
   bwd_dtype: np.dtype
   weight_grad_fp8: bool  # False: the weight gradient in the compute dtype
-  out_dtype: np.dtype
-  a_dtype: np.dtype
-  b_dtype: np.dtype
   precision: Any
-  row_axes: tuple = ()  # shard_map axes the rows of ``a`` (the tokens) are split over
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rowwise_matmul(a, b, spec: RowwiseSpec):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rowwise_matmul(a, b, spec: RowwiseSpec, results: Results):
   """``[B, M, K] x [B, N, K] -> [B, M, N]`` with row-wise fp8 scaling and its VJP."""
-  return _rowwise_product(a, b, spec.fwd_dtype, spec.fwd_dtype, spec.out_dtype, spec.precision)
+  return _rowwise_product(a, b, spec.fwd_dtype, spec.fwd_dtype, results.out_dtype, spec.precision)
 
 
-def _fwd(a, b, spec):
-  return rowwise_matmul(a, b, spec), (a, b)
+def _fwd(a, b, spec, results):
+  return rowwise_matmul(a, b, spec, results), (a, b)
 
 
-def _bwd(spec, residuals, g):
+def _bwd(spec, results, residuals, g):
   a, b = residuals
   t = lambda x: jnp.swapaxes(x, 1, 2)
   # da[B, M, K] = g[B, M, N] . b^T[B, K, N]: rows of g and of b^T, along N.
-  da = _rowwise_product(g, t(b), spec.bwd_dtype, spec.fwd_dtype, spec.a_dtype, spec.precision)
-  axes = spec.row_axes  # the tokens this product contracts
+  da = _rowwise_product(g, t(b), spec.bwd_dtype, spec.fwd_dtype, results.a_dtype, spec.precision)
+  axes = results.row_axes  # the tokens this product contracts
   if spec.weight_grad_fp8:  # db[B, N, K] = g^T[B, N, M] . a^T[B, K, M], along M
     db = _rowwise_product(
-      t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, spec.b_dtype, spec.precision, axes
+      t(g), t(a), spec.bwd_dtype, spec.fwd_dtype, results.b_dtype, spec.precision, axes
     )
   else:  # in the compute dtype, summed in fp32
     compute = jnp.result_type(g, a)
     dims = (((1,), (1,)), ((0,), (0,)))
     db = lax.dot_general(g.astype(compute), a.astype(compute), dims, preferred_element_type=F32)
-    db = (lax.psum(db, axes) if axes else db).astype(spec.b_dtype)
+    db = (lax.psum(db, axes) if axes else db).astype(results.b_dtype)
   return da, db
 
 
 rowwise_matmul.defvjp(_fwd, _bwd)
-
-
-def canonical_dot(call: Any, matmul: Any) -> jax.Array:
-  """Runs ``matmul([B, M, K], [B, N, K], row_axes) -> [B, M, N]`` for any ``dot_general`` call.
-
-  Transposes and reshapes both operands to the canonical form (batch, free, contracting
-  axes, flattened), and the result back to ``dot_general``'s layout (batch, lhs free, rhs
-  free); JAX differentiates the reshapes. On explicit mesh axes the matmul runs per device on
-  its rows (:func:`~jmp_lite.fp8._sharding.rows_local`), ``row_axes`` naming the mesh axes the
-  rows are split over (``()`` otherwise).
-  """
-  (lc, rc), (lb, rb) = call.dims
-  lhs, rhs = call.lhs, call.rhs
-  free = lambda x, c, b: [i for i in range(x.ndim) if i not in c and i not in b]
-  lf, rf = free(lhs, lc, lb), free(rhs, rc, rb)
-  a = merge_axes(lax.transpose(lhs, (*lb, *lf, *lc)), (len(lb), len(lf), len(lc)))
-  b = merge_axes(lax.transpose(rhs, (*rb, *rf, *rc)), (len(rb), len(rf), len(rc)))
-  out = rows_local(matmul, a, b)
-  shape = [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lf] + [rhs.shape[i] for i in rf]
-  out = split_axes(out, (len(lb), len(lf), len(rf)), shape)
-  if call.out_sharding is not None:
-    out = jax.sharding.reshard(out, call.out_sharding)
-  return out
