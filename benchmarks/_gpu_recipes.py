@@ -13,6 +13,7 @@ next-token loss.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,7 +35,9 @@ INITIAL_LOSS_SCALE = 2.0**15
 FP8_HISTORY = 16  # the examples' amax history length
 BF16_POLICY = "params=float32,compute=bfloat16,output=float32"
 FP16_POLICY = "params=float32,compute=float16,output=float32"
-FUSED = jlf.ModuleOverride(attributes={"attention_fn": jlf.fused_dot_product_attention})
+FUSED = jlf.ModuleOverride(
+  attributes={"attention_fn": functools.partial(jlf.dot_product_attention, implementation="cudnn")}
+)
 
 
 class Step(NamedTuple):
@@ -354,7 +357,7 @@ RECIPES: dict[str, Recipe] = {
     adamw_step(with_policy(BF16_POLICY, fp32_softmax=False)),
   ),
   "policy_bf16_fused_attention": Recipe(
-    "policy bf16, `jlf.fused_dot_product_attention` (cuDNN)",
+    'policy bf16, `jlf.dot_product_attention(implementation="cudnn")`',
     adamw_step(with_policy(BF16_POLICY, overrides={nn.MultiHeadDotProductAttention: FUSED})),
   ),
   "autocast_bf16": Recipe(

@@ -11,8 +11,8 @@
   matmuls and convolutions (accumulated in fp32 by the hardware), with an
   optional fp32 result or fp32 weight gradient.
 * :func:`dot_product_attention`, :func:`softmax`: attention with an fp32
-  softmax that keeps 16-bit residuals; :func:`fused_dot_product_attention`:
-  the same by cuDNN's fused kernel on a GPU (no ``T x T`` array written).
+  softmax that keeps 16-bit residuals; ``implementation="cudnn"``: the same
+  by cuDNN's fused kernel on a GPU (no ``T x T`` array written).
 * :class:`TrainState`, :class:`Optimizer`: Flax's training state and NNX
   optimizer with loss scaling built in.
 * :class:`DynamicScale`, :class:`DynamicScaleResult`: a drop-in for Flax's
@@ -29,10 +29,7 @@ from jmp_lite.flax._accumulate import conv_general_dilated, dot_general, einsum
 from jmp_lite.flax._attention import dot_product_attention, softmax
 from jmp_lite.flax._dynamic_scale import DynamicScale, DynamicScaleResult
 from jmp_lite.flax._explicit_dtypes import ExplicitDtypeWarning
-from jmp_lite.flax._fused_attention import (
-  FusedAttentionUnavailableWarning,
-  fused_dot_product_attention,
-)
+from jmp_lite.flax._fused_attention import FusedAttentionUnavailableWarning
 from jmp_lite.flax._kernel_hooks import FLAX_HOOKS
 from jmp_lite.flax._layerwise import LayerwiseStages, layerwise_stages
 from jmp_lite.flax._linen import policy_apply, policy_init
@@ -67,7 +64,6 @@ __all__ = (
   "einsum",
   "dot_product_attention",
   "softmax",
-  "fused_dot_product_attention",
   "FusedAttentionUnavailableWarning",
   # Training with loss scaling
   "TrainState",

@@ -42,6 +42,8 @@ with :func:`softmax`. With its own einsums, no dropout and as many key as query
 heads, the softmax and ``p @ v`` share one backward pass, which takes the row
 sums :math:`\langle \bar p, p \rangle` as :math:`\langle \overline{out}, out \rangle`
 (FlashAttention's :math:`D`) instead of reading ``p`` and :math:`\bar p` again.
+With ``implementation="cudnn"`` the same attention runs by cuDNN's fused kernel
+where the program is lowered for a GPU, and as above elsewhere.
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jmp_lite._validation import check_choice
 from jmp_lite.flax import _accumulate as accumulate
+from jmp_lite.flax import _fused_attention as fused_attention
+
+_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 def softmax(logits: jax.Array, axis: int = -1, where: jax.Array | None = None) -> jax.Array:
@@ -239,6 +245,7 @@ def dot_product_attention(
   attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
   promote_dtype: Callable[..., Any] | None = None,
   is_causal: bool = False,
+  implementation: str = "xla",
 ) -> jax.Array:
   r"""Scaled dot-product attention with an fp32 softmax and 16-bit matmuls.
 
@@ -279,26 +286,46 @@ def dot_product_attention(
       dtype=dtype)``; by default the three are cast to ``dtype`` or to their
       common type.
     is_causal: also apply a causal (lower-triangular) mask.
+    implementation: ``"xla"``: jmp_lite's attention, as above. ``"cudnn"``:
+      cuDNN's fused (flash) attention kernel where the program is lowered for
+      a GPU, which writes no ``[heads, q_len, kv_len]`` array in either pass
+      (its softmax fp32, its probabilities 16-bit, as here), and jmp_lite's
+      attention elsewhere; where JAX refuses to trace the kernel for the call
+      (no cuDNN, a shape or dtype it does not support), jmp_lite's attention
+      runs and a :class:`~jmp_lite.flax.FusedAttentionUnavailableWarning` says
+      so. The kernel has no dropout, no attention weights to ``sow``, no
+      einsum hooks and takes rank-4 inputs; ``precision`` applies to the
+      fallback only (cuDNN chooses its own).
 
   These are the arguments of :func:`flax.linen.dot_product_attention` and
-  :func:`flax.nnx.dot_product_attention`, with their meanings.
+  :func:`flax.nnx.dot_product_attention`, with their meanings, and
+  :func:`jax.nn.dot_product_attention`'s ``implementation``.
 
   Returns:
     The attention output, of ``query``'s shape and the (promoted) input dtype.
 
   Raises:
-    ValueError: for ranks or head counts that do not fit together, or only one
-      of the two einsums.
+    ValueError: for ranks or head counts that do not fit together, only one
+      of the two einsums, or an ``implementation`` other than ``"xla"`` and
+      ``"cudnn"``; with ``"cudnn"``, for dropout (``dropout_rate > 0`` and not
+      ``deterministic``), a ``module``, an einsum hook, or inputs not of rank 4.
   """
   del force_fp32_for_softmax  # Flax's modules pass False by default; fp32 is the point here.
+  hooks = {
+    "einsum_dot_general": einsum_dot_general,
+    "qk_attn_weights_einsum": qk_attn_weights_einsum,
+    "attn_weights_value_einsum": attn_weights_value_einsum,
+  }
+  if check_choice(implementation, "implementation", _IMPLEMENTATIONS, type_error=False) == "cudnn":
+    shapes = (np.shape(query), np.shape(key), np.shape(value))
+    fused_attention.check_supported(shapes, dropout_rate, deterministic, module, hooks)
+    own = functools.partial(dot_product_attention, precision=precision, is_causal=is_causal)
+    query, key, value = _promoted(query, key, value, dtype, promote_dtype)
+    return fused_attention.attention(query, key, value, bias, mask, is_causal, own)
   qk_einsum, pv_einsum = _einsums(
     precision, einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum
   )
-  if promote_dtype is not None:
-    query, key, value = promote_dtype((query, key, value), dtype=dtype)
-  else:
-    dtype = dtype or jnp.result_type(query, key, value)
-    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+  query, key, value = _promoted(query, key, value, dtype, promote_dtype)
   dtype = query.dtype
   heads, kv_heads = _heads(query, key, value)
   logits = _logits(qk_einsum, query, key, heads, kv_heads)
@@ -316,6 +343,21 @@ def dot_product_attention(
   if dropout:
     weights = _dropout(weights, dropout_rng, dropout_rate, broadcast_dropout, dtype)
   return _weighted_values(pv_einsum, weights, value, heads, kv_heads)
+
+
+def _promoted(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  dtype: Any,
+  promote_dtype: Callable[..., Any] | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The three inputs in the computation dtype: by NNX's hook, ``dtype`` or their common type."""
+  if promote_dtype is not None:
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    return query, key, value
+  dtype = dtype or jnp.result_type(query, key, value)
+  return jnp.asarray(query, dtype), jnp.asarray(key, dtype), jnp.asarray(value, dtype)
 
 
 def _weighted_values(
