@@ -756,16 +756,27 @@ def init_variables(task: Task, fp8_config: Any, config: TrainConfig) -> dict[str
   cache = task.__dict__.setdefault("_initial_variables", {})
   key = (config.seed, repr(fp8_config), repr(fp8_placement(config)))
   if key not in cache:
-    scope = setup_scope(fp8_config, config)
-
-    def init(rng):
-      with scope:
-        return task.model.init(rng, *task.init_inputs())
-
-    # Under one jit: run eagerly, every initializer would be compiled on its own (seconds);
-    # it runs once, so XLA's optimizations are not worth their compile time either.
-    cache[key] = jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(config.seed))
+    init = _init_fn(task.model, fp8_config, config)
+    cache[key] = init(jax.random.key(config.seed), *task.init_inputs())
   return dict(_copy(cache[key]))
+
+
+_INIT_FNS: dict[tuple[Any, ...], Any] = {}
+
+
+def _init_fn(model: nn.Module, fp8_config: Any, config: TrainConfig) -> Any:
+  """``model.init`` under one jit, shared by the tasks of equal models (each run of a preset
+  builds its own task): run eagerly, every initializer would be compiled on its own
+  (seconds); it runs once, so XLA's optimizations are not worth their compile time either."""
+  key = (model, repr(fp8_config), repr(fp8_placement(config)))
+  if key not in _INIT_FNS:
+
+    def init(rng, *inputs):
+      with setup_scope(fp8_config, config):
+        return model.init(rng, *inputs)
+
+    _INIT_FNS[key] = jax.jit(init, compiler_options=FAST_COMPILE)
+  return _INIT_FNS[key]
 
 
 # Under jit, jnp.copy gives new buffers: an output that is an input would be the same one.

@@ -6,8 +6,9 @@ The comparison runs the LM's underflow scenario (a global batch of
 2^19 tokens, --replicas 1024 at the quick preset's 512 tokens per step) with
 the three recipes whose relation the issue pins down: fp32, fp16 without
 loss scaling (measurably worse) and fp16 with a dynamic scale (matches fp32).
-A second comparison runs the opt-in low-precision-params group (bf16
-parameters) and checks its outputs and the split's exactness.
+A second comparison runs four recipes of the opt-in low-precision-params group (bf16
+parameters), the split and its references among them, and checks its outputs and the split's
+exactness; its fp32-master (the bf16 recipe) is also the fp8 test's bf16 reference.
 """
 
 import dataclasses
@@ -91,22 +92,23 @@ def test_digits_quick_with_layerwise_scaling(tmp_path):
   assert all(0 <= s < result["steps"] for s in result["skipped"])
 
 
+FP8_REPLICAS = 2**20
+"""The loss over 2^20 tokens (replicas = 2^20): under E5M2 with a unit scale every output
+gradient would flush, and a run that learns from this loss learns from any."""
+
+
 @pytest.fixture(scope="module")
-def fp8_runs():
-  """The LM's quick preset under fp8 (30 steps) and bf16 (its first step), with the loss over
-  2^20 tokens (replicas = 2^20): under E5M2 with a unit scale every output gradient would
-  flush, and a run that learns from this loss learns from any."""
+def fp8_run():
+  """The LM's quick preset under fp8 (30 steps) at FP8_REPLICAS. Its bf16 reference is the
+  low-precision-params run's fp32-master (the bf16 recipe, at the same replicas)."""
   model_config, quick = charlm.PRESETS["quick"]
-  config = dataclasses.replace(quick, replicas=2**20, progress=False)
+  config = dataclasses.replace(quick, replicas=FP8_REPLICAS, progress=False)
   task = charlm.CharLMTask(model_config, seed=config.seed)
-  return {
-    "fp8": common.train(task, common.RECIPES["fp8"], config),
-    "bf16": common.train(task, common.RECIPES["bf16"], dataclasses.replace(config, steps=1)),
-  }
+  return common.train(task, common.RECIPES["fp8"], config), config
 
 
-def test_charlm_quick_with_fp8(fp8_runs):
-  result = fp8_runs["fp8"]
+def test_charlm_quick_with_fp8(fp8_run):
+  result, _ = fp8_run
   assert _decreased(result.train_loss)
   assert result.final["val_loss"] < math.log(charlm.VOCAB)  # better than uniform
   # Current scaling (the default) keeps no fp8 state, so there are no scales to report.
@@ -137,10 +139,19 @@ def test_examples_fp8_recipe_is_the_library_default():
     common.TrainConfig(fp8_scaling="x")
 
 
-def test_examples_fp8_first_step_flushes_no_gradient(fp8_runs):
+def test_examples_fp8_first_step_flushes_no_gradient(fp8_run, low_precision_run):
   # With the default recipe, step 0's parameter gradients have no zeros that bf16's lack,
-  # layer by layer.
-  step0 = {name: run.grad_stats["0"] for name, run in fp8_runs.items()}
+  # layer by layer. bf16's: the first step of the low-precision-params run's fp32-master, the
+  # bf16 recipe under another name, trained under the same configuration (FP8_REPLICAS).
+  fp8_result, config = fp8_run
+  _, _, returned = low_precision_run
+  fp32_master = common.get_recipe("fp32-master")
+  bf16 = common.RECIPES["bf16"]
+  assert dataclasses.replace(fp32_master, name=bf16.name, summary=bf16.summary) == bf16
+  train = dataclasses.asdict(config)
+  assert returned["train"] == {k: v for k, v in train.items() if k != "progress"}
+  step0 = {"fp8": fp8_result.grad_stats["0"]}
+  step0["bf16"] = returned["results"]["fp32-master"]["grad_stats"]["0"]
   assert set(step0["fp8"]) == set(step0["bf16"])
   zeros = {name: {k: v["zero_fraction"] for k, v in s.items()} for name, s in step0.items()}
   # The embedding's zeros are the rows of characters absent from the batch (about 60%), which
@@ -319,31 +330,58 @@ def test_bf16_high_half_is_the_splits_high_half():
   assert g.dtype == jnp.float32 and bool(jnp.all(g == 3.0))
 
 
+# Bytes per parameter of parameters + optimizer state (Adam), counted from the trees: fp32 4 + 8;
+# bf16 parameters 2, with fp32 moments 8 or bf16 moments 4, Kahan's or the split's 2 more. The
+# counters, key and loss-scaling state add under 0.01 per parameter.
+BYTES_PER_PARAM = {"fp32-master": 12, "fp32-master-view": 12, "bf16-nearest": 10}
+BYTES_PER_PARAM |= {"bf16-stochastic": 6, "bf16-kahan": 12, "bf16-split": 12}
+
+TRAINED = ("fp32-master", "fp32-master-view", "bf16-nearest", "bf16-split")
+"""The recipes of the group that low_precision_run trains: the split and its two references,
+and round to nearest, whose updates rounded away the run shows. bf16-stochastic and
+bf16-kahan go through the same training loop and report (only the library's method differs,
+tested per method in tests/test_low_precision_params.py: training, counting what rounded
+away, loss scaling around it); their states are checked in
+test_every_low_precision_recipe_keeps_its_bytes_per_parameter."""
+
+
+def test_every_low_precision_recipe_keeps_its_bytes_per_parameter():
+  # What train() counts for the report (RunResult.state_bytes), for each recipe of the group.
+  model_config, config = charlm.PRESETS["quick"]
+  task = charlm.CharLMTask(model_config, seed=config.seed)
+  for name in LOW_PRECISION:
+    params, _, _, opt_state = common.make_setup(task, common.get_recipe(name), config).state
+    elements = sum(int(np.size(p)) for p in jax.tree.leaves(params))
+    per_param = (common.tree_bytes(params) + common.tree_bytes(opt_state)) / elements
+    assert per_param == pytest.approx(BYTES_PER_PARAM[name], abs=0.01), name
+
+
 @pytest.fixture(scope="module")
 def low_precision_run(tmp_path_factory):
+  """compare --recipes TRAINED at FP8_REPLICAS, for the fp8 test's bf16 reference (bf16 has
+  fp32's range: the comparison's own 1024 replicas give the same losses): (the JSON, the
+  output directory, the summary compare.main returned, unrounded)."""
   out = tmp_path_factory.mktemp("low_precision")
-  compare.main([*QUICK, "--recipes", "low-precision-params", "--out", str(out)])
+  recipes = ",".join(TRAINED)
+  returned = compare.main(
+    [*QUICK, "--recipes", recipes, "--replicas", str(FP8_REPLICAS), "--out", str(out)]
+  )
   with open(out / "charlm_compare.json") as f:
-    return json.load(f), out
+    return json.load(f), out, returned
 
 
 def test_low_precision_outputs(low_precision_run):
-  summary, out = low_precision_run
+  summary, out, _ = low_precision_run
   steps = summary["train"]["steps"]
-  assert list(summary["results"]) == list(LOW_PRECISION)
+  assert list(summary["results"]) == list(TRAINED)
   assert (out / "charlm_low_precision.png").stat().st_size > 1000
-  assert (out / "charlm_low_precision.md").read_text().count("\n") == 2 + len(LOW_PRECISION)
+  assert (out / "charlm_low_precision.md").read_text().count("\n") == 2 + len(TRAINED)
   rows = {row["recipe"]: row for row in summary["low_precision"]["table"]}
-  assert list(rows) == list(LOW_PRECISION)
+  assert list(rows) == list(TRAINED)
   base = summary["results"]["fp32-master"]["final"]
-  # Bytes per parameter of parameters + optimizer state (Adam), counted from the trees: fp32
-  # 4 + 8; bf16 parameters 2, with fp32 moments 8 or bf16 moments 4, Kahan's or the split's
-  # 2 more. The counters, key and loss-scaling state add under 0.01 per parameter.
-  expected = {"fp32-master": 12, "fp32-master-view": 12, "bf16-nearest": 10}
-  expected |= {"bf16-stochastic": 6, "bf16-kahan": 12, "bf16-split": 12}
   for name, r in summary["results"].items():
     row = rows[name]
-    assert row["bytes_per_param"] == pytest.approx(expected[name], abs=0.01), name
+    assert row["bytes_per_param"] == pytest.approx(BYTES_PER_PARAM[name], abs=0.01), name
     relative = r["final"]["val_loss"] / base["val_loss"] - 1  # of values rounded to 6 digits
     assert row["val_loss_rel"] == pytest.approx(relative, abs=1e-5), name
     assert _finite(r["train_loss"]) and r["skipped"] == [], name
@@ -363,7 +401,7 @@ def test_low_precision_outputs(low_precision_run):
 
 def test_split_loses_no_update(low_precision_run):
   """bf16-split's fp32 values are bit for bit those of fp32 training reading the same view."""
-  summary, _ = low_precision_run
+  summary, _, _ = low_precision_run
   results = summary["results"]
   for key in ("train_loss", "val_loss", "val_accuracy"):
     assert results["bf16-split"][key] == results["fp32-master-view"][key], key

@@ -287,12 +287,11 @@ POLICY_RECIPES = {
 
 @pytest.mark.parametrize("name", POLICY_RECIPES)
 def test_linen_and_nnx_run_a_policy_recipe_as_the_recipe_itself(name):
-  """``fp8=<name>`` through linen_fp8 and nnx_fp8: the loss and the gradients of the recipe
-  passed directly, bit for bit (and not the fp32 layer's)."""
+  """``fp8=<name>`` through linen_fp8 and nnx_fp8: the program (so the loss and the gradients,
+  bit for bit) of the recipe passed directly, and not the fp32 layer's."""
   x = inputs(shape=(8, 64))
   model = nn.Dense(16)
 
-  @functools.partial(jax.jit, static_argnums=0)
   def linen_step(spec, variables):
     def loss(params):
       with flax_fp8.linen_fp8(spec, placement=fp8.ALL_LAYERS):
@@ -307,11 +306,19 @@ def test_linen_and_nnx_run_a_policy_recipe_as_the_recipe_itself(name):
   recipe, spelled = POLICY_RECIPES[name], f"p=f32,c=f32,o=f32,fp8={name}"
   variables = materialize(linen_init_shapes(model, x, recipe))  # delayed: a state of scales 1
   assert variables.keys() == ({"params", "fp8_state"} if name == "delayed" else {"params"})
-  got, want = linen_step(spelled, variables), linen_step(recipe, variables)
-  jax.tree.map(np.testing.assert_array_equal, got, want)
-  fp32_loss = jnp.sum(model.apply({"params": variables["params"]}, x) ** 2)
-  assert float(got[0]) != float(fp32_loss)
-  np.testing.assert_array_equal(nnx_out(spelled), nnx_out(recipe))
+  # The same program, equation for equation, computes the same values bit for bit: comparing
+  # the traced programs checks that without compiling each spelling (seconds per recipe).
+  program = lambda fn, *args: str(jax.make_jaxpr(fn, static_argnums=0)(*args))
+  assert program(linen_step, spelled, variables) == program(linen_step, recipe, variables)
+  assert program(nnx_out, spelled) == program(nnx_out, recipe)
+
+  @jax.jit
+  def loss_and_fp32_loss(variables):
+    fp32_loss = jnp.sum(model.apply({"params": variables["params"]}, x) ** 2)
+    return linen_step(recipe, variables)[0], fp32_loss
+
+  loss, fp32_loss = loss_and_fp32_loss(variables)
+  assert float(loss) != float(fp32_loss)
 
 
 def test_linen_fp8_policy_spellings():
@@ -874,12 +881,37 @@ class RematScanStack(nn.Module):
     return scan()(x, None)[0]
 
 
-def unrolled_reference(params, x, recipe):
-  """The stack layer by layer with the functional fp8 matmul (current scaling throughout)."""
+@functools.cache
+def scan_stack_case():
+  """RematScanStack's input and its plain (no fp8) parameters, initialised once for every
+  recipe below: each recipe's check holds for any parameters that leave tanh off its tails."""
+  x = inputs(7, (16, 4)) * 0.5  # tanh stays off its flat tails: the reference has no zero gradient
+  return x, jax.jit(RematScanStack().init)(jax.random.key(0), x)["params"]
+
+
+@functools.cache
+def unrolled_layer(recipe):
+  """One layer of the stack with the functional fp8 matmul, and its VJP, each compiled once and
+  run for every layer (one compiled 3-layer program is three times the compile)."""
+  layer = lambda x, kernel, bias: jnp.tanh(fp8.dot_general(x, kernel, DENSE, config=recipe) + bias)
+  return jax.jit(layer), jax.jit(lambda x, kernel, bias, g: jax.vjp(layer, x, kernel, bias)[1](g))
+
+
+def unrolled_reference_grads(params, x, recipe, loss_weight):
+  """The gradients of ``loss_weight * sum(stack(x))``, the stack run layer by layer with the
+  functional fp8 matmul: the chain rule through each layer's VJP, last layer first."""
   dense = params["ScanCheckpointBlock_0"]["Dense_0"]
-  for i in range(3):
-    x = jnp.tanh(fp8.dot_general(x, dense["kernel"][i], DENSE, config=recipe) + dense["bias"][i])
-  return x
+  layer, layer_vjp = unrolled_layer(recipe)
+  layer_inputs = [x]
+  for i in range(2):  # the loss is linear in the last output: its cotangent is loss_weight
+    layer_inputs.append(layer(layer_inputs[-1], dense["kernel"][i], dense["bias"][i]))
+  g = jnp.full((x.shape[0], dense["kernel"].shape[-1]), loss_weight, jnp.float32)
+  kernel_grads, bias_grads = [None] * 3, [None] * 3
+  for i in reversed(range(3)):
+    kernel, bias = dense["kernel"][i], dense["bias"][i]
+    g, kernel_grads[i], bias_grads[i] = layer_vjp(layer_inputs[i], kernel, bias, g)
+  stacked = {"kernel": jnp.stack(kernel_grads), "bias": jnp.stack(bias_grads)}
+  return {"ScanCheckpointBlock_0": {"Dense_0": stacked}}
 
 
 @pytest.mark.parametrize(
@@ -899,12 +931,14 @@ def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
   """Under nn.scan + nn.remat, each recipe's first step equals the functional matmul layer by
   layer, bit for bit (delayed: a fresh state, as current scaling); stateless recipes create no
   fp8 collection, and delayed scaling's stacked state round-trips through orbax."""
-  x = inputs(7, (16, 4)) * 0.5  # tanh stays off its flat tails: the reference has no zero gradient
-  variables = linen_init(RematScanStack(), x, recipe)
-  params = variables["params"]
+  x, params = scan_stack_case()
   stateful = isinstance(recipe, fp8.DelayedScaling)
-  assert (flax_fp8.STATE_COLLECTION in variables) == stateful
-  state = variables.get(flax_fp8.STATE_COLLECTION)
+  # Which collections linen_fp8's init creates: shapes only (nothing is compiled), except the
+  # fresh state delayed scaling starts from.
+  shapes = linen_init_shapes(RematScanStack(), x, recipe)
+  assert (flax_fp8.STATE_COLLECTION in shapes) == stateful
+  assert jax.tree.map(jnp.shape, shapes["params"]) == jax.tree.map(jnp.shape, params)
+  state = linen_init(RematScanStack(), x, recipe)[flax_fp8.STATE_COLLECTION] if stateful else None
   current = fp8.CurrentScaling() if recipe is None or stateful else recipe
 
   @jax.jit
@@ -918,12 +952,8 @@ def test_linen_recipes_compose_with_scan_and_remat(recipe, tmp_path):
 
     return jax.grad(loss, argnums=(0, 1))(params, fp8.zeros_amax(state) if stateful else None)
 
-  @jax.jit
-  def reference(params):
-    loss = lambda p: TINY_LOSS * 2.0**8 * jnp.sum(unrolled_reference(p, x, current))
-    return jax.grad(loss)(params)
-
-  (got, amax), want = grads(params, state), reference(params)
+  got, amax = grads(params, state)
+  want = unrolled_reference_grads(params, x, current, TINY_LOSS * 2.0**8)
   jax.tree.map(np.testing.assert_array_equal, got, want)
   kernel_grad = np.asarray(got["ScanCheckpointBlock_0"]["Dense_0"]["kernel"])
   assert np.mean(kernel_grad == 0) == 0.0  # nothing flushed, in any layer

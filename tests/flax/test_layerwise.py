@@ -80,9 +80,10 @@ def test_linen_model_trains_in_fp16_with_layerwise_scaling_unedited(lm):
   model, variables, toks, stages = lm
 
   def train(apply_fn, loss_scale, steps=12):
-    state = jlf.TrainState.create(
-      apply_fn=apply_fn, params=variables["params"], tx=optax.adam(1e-2), loss_scale=loss_scale
+    create = lambda params: jlf.TrainState.create(
+      apply_fn=apply_fn, params=params, tx=optax.adam(1e-2), loss_scale=loss_scale
     )
+    state = jit(create)(variables["params"])  # eagerly, each moment's zeros compile on their own
 
     traces = []
 
