@@ -18,8 +18,17 @@ import jmp_lite as jl
 T, F = True, False
 
 
+def _adjust(scale, finite):
+  return scale.adjust(finite)
+
+
+# One jitted function for every call: a new one per call compiled again for each hypothesis
+# example; now a scale's configuration (its static fields) compiles once.
+_jitted_adjust = jax.jit(_adjust)
+
+
 def run(scale, pattern, use_jit):
-  adjust = jax.jit(lambda s, f: s.adjust(f)) if use_jit else (lambda s, f: s.adjust(f))
+  adjust = _jitted_adjust if use_jit else _adjust
   trajectory = []
   for finite in pattern:
     scale = adjust(scale, jnp.asarray(finite))
