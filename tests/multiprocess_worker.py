@@ -55,7 +55,11 @@ def _differences(a, b) -> list[str]:
 
 def main(process_id: int, num_processes: int, port: int, local_devices: int, workdir: str):
   os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+  # Values, not speed, are checked: XLA:CPU's backend optimizations off, as in tests/conftest.py.
+  os.environ["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count={local_devices}"
+    " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+  )
   import jax
 
   try:  # CPU collectives across processes; absent from old jaxlibs.
